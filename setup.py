@@ -1,0 +1,20 @@
+from setuptools import setup
+
+setup(
+    name="tpp-python",
+    version="0.1.0",
+    description="Tensor processing primitives: a virtual tensor ISA JIT-compiled with LLVM",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["tpp", "tpp_cpu", "bench"],
+    install_requires=["numpy>=1.24", "llvmlite>=0.45", "cffi>=1.15", "ml_dtypes>=0.3"],
+    extras_require={
+        # 2.13.0 is the CPU build these machines keep on disk; an unpinned torch pulls a CUDA build.
+        "torch": ["torch==2.13.0"],
+        "cuda": ["cupy-cuda12x"],
+        "bench": ["rich>=13"],
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "torch==2.13.0", "rich>=13"],
+    },
+    entry_points={"console_scripts": ["tpp-bench=bench.cli:main"]},
+)

@@ -1,0 +1,45 @@
+"""TPP for Python: tensor processing primitives, JIT-compiled for the CPU.
+
+    import numpy as np, tpp
+    gelu = tpp.unary("gelu", 64, 100)          # a spec, compiled on first call
+    y = gelu(np.random.rand(64, 100).astype(np.float32))
+    add = tpp.binary("add", 64, 100, bcast_in1="row")
+    tpp.reference.run(gelu.spec, x)            # the numpy semantics of any spec
+"""
+from __future__ import annotations
+
+import functools
+
+from . import reference
+from .dtypes import BF16, F16, F32
+from .errors import ArgumentError, CompileError, SpecError, TPPError, UnsupportedError
+from .kernel import Kernel
+from .optable import BINARY_OPS, UNARY_OPS
+from .spec import BinarySpec, UnarySpec, make_binary, make_unary
+
+__version__ = "0.1.0"
+
+__all__ = ["unary", "binary", "kernel", "reference", "Kernel", "UnarySpec", "BinarySpec",
+           "TPPError", "SpecError", "ArgumentError", "UnsupportedError", "CompileError",
+           "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16"]
+
+
+@functools.lru_cache(maxsize=4096)
+def kernel(spec) -> Kernel:
+    """The Kernel of a spec; one per spec per process."""
+    return Kernel(spec)
+
+
+def unary(op, m, n, *, ldi=None, ldo=None, dtype_in="f32", dtype_out=None, dtype_comp="f32",
+          bcast=None, **params) -> Kernel:
+    """A unary primitive on an (m, n) block; see tpp.UNARY_OPS for ops and their parameters."""
+    return kernel(make_unary(op, m, n, ldi=ldi, ldo=ldo, dtype_in=dtype_in, dtype_out=dtype_out,
+                             dtype_comp=dtype_comp, bcast=bcast, **params))
+
+
+def binary(op, m, n, *, ldi0=None, ldi1=None, ldo=None, dtype_in0="f32", dtype_in1=None,
+           dtype_out=None, dtype_comp="f32", bcast_in0=None, bcast_in1=None) -> Kernel:
+    """A binary primitive on (m, n) blocks; see tpp.BINARY_OPS for ops."""
+    return kernel(make_binary(op, m, n, ldi0=ldi0, ldi1=ldi1, ldo=ldo, dtype_in0=dtype_in0,
+                              dtype_in1=dtype_in1, dtype_out=dtype_out, dtype_comp=dtype_comp,
+                              bcast_in0=bcast_in0, bcast_in1=bcast_in1))

@@ -1,0 +1,171 @@
+"""Binding user arrays to a primitive's operands: validation, pointers, leading dimensions.
+
+Accepted: numpy arrays, torch CPU tensors, and anything numpy can view without a copy
+(`__array_interface__`, the buffer protocol, DLPack). CUDA data (`__cuda_array_interface__`,
+torch CUDA tensors) is recognised and refused with a clear error until a CUDA backend exists.
+Every check raises ArgumentError (or UnsupportedError for devices) naming the operand, what was
+expected and what was given; nothing reaches JIT code unchecked.
+"""
+from __future__ import annotations
+
+import cffi
+import numpy as np
+
+from . import dtypes as _dt
+from .errors import ArgumentError, UnsupportedError
+
+ffi = cffi.FFI()
+
+_NP_DTYPES = {d.numpy: d for d in (_dt.F32, _dt.BF16, _dt.F16, _dt.I64, _dt.U8)}
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtype(t):
+    if not _TORCH_DTYPES:
+        import torch
+        for d in (_dt.F32, _dt.BF16, _dt.F16, _dt.I64, _dt.U8):
+            _TORCH_DTYPES[getattr(torch, d.torch_name)] = d
+    return _TORCH_DTYPES.get(t.dtype)
+
+
+def is_torch(obj) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def as_host_array(obj, name: str):
+    """obj itself if it is a numpy array or torch tensor on the CPU, else a zero-copy numpy view."""
+    if type(obj) is np.ndarray:
+        return obj
+    if is_torch(obj):
+        if obj.device.type != "cpu":
+            raise UnsupportedError(f"{name}: tensor on {obj.device}; the CPU backend needs CPU "
+                                   f"tensors and no CUDA backend is available")
+        return obj
+    if isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__cuda_array_interface__"):
+        raise UnsupportedError(f"{name}: a CUDA array ({type(obj).__name__}); no CUDA backend "
+                               f"is available for it")
+    if hasattr(obj, "__array_interface__") or hasattr(obj, "__array_struct__"):
+        return np.asarray(obj)
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except (RuntimeError, BufferError, TypeError) as exc:
+            raise ArgumentError(f"{name}: cannot view {type(obj).__name__} on the host: {exc}")
+    try:
+        memoryview(obj)
+    except TypeError:
+        raise ArgumentError(f"{name}: expected an array (numpy, torch, or an object with "
+                            f"__array_interface__ or __dlpack__), got {type(obj).__name__}") from None
+    return np.asarray(obj)
+
+
+def geometry(arr, name: str):
+    """(dtype, shape, strides in elements, writable) of a host array or tensor."""
+    if is_torch(arr):
+        dt = _torch_dtype(arr)
+        return dt, tuple(arr.shape), tuple(arr.stride()), True, str(arr.dtype)
+    dt = _NP_DTYPES.get(arr.dtype)
+    isz = arr.itemsize
+    strides = arr.strides
+    if any(s % isz for s in strides):
+        raise ArgumentError(f"{name}: strides {strides} are not multiples of the element size {isz}")
+    return dt, arr.shape, tuple(s // isz for s in strides), arr.flags.writeable, str(arr.dtype)
+
+
+def pointer(arr):
+    """A cffi void* to the first element (zero copy)."""
+    if is_torch(arr):
+        return ffi.cast("void *", arr.data_ptr())
+    if arr.flags.c_contiguous and arr.size:
+        return ffi.from_buffer(arr)
+    return ffi.cast("void *", arr.ctypes.data)
+
+
+def address(arr) -> int:
+    return arr.data_ptr() if is_torch(arr) else arr.ctypes.data
+
+
+def check(op, arr, name: str) -> int:
+    """Validate arr against the Operand op; returns the ld to compile for (0 if not a block)."""
+    dt, shape, strides, writable, given = geometry(arr, name)
+    if dt is not op.dtype:
+        raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
+    if op.role != "in" and not writable:
+        raise ArgumentError(f"{name}: the output array is read-only")
+    layout = op.layout
+    if layout == "block":
+        rows = shape[0] if len(shape) == 2 else None
+        if len(shape) != 2 or shape[1] != op.cols or (op.rows != -1 and rows != op.rows):
+            want = f"(rows, {op.cols})" if op.rows == -1 else f"({op.rows}, {op.cols})"
+            raise ArgumentError(f"{name}: expected shape {want}, got {tuple(shape)}")
+        if rows < 1:
+            raise ArgumentError(f"{name}: expected at least one row, got shape {tuple(shape)}")
+        if op.cols > 1 and strides[1] != 1:
+            raise ArgumentError(f"{name}: columns must be contiguous (column stride 1 element), "
+                                f"got stride {strides[1]}")
+        if rows == 1:
+            return op.ld
+        ld = strides[0]
+        if ld < op.cols:
+            raise ArgumentError(f"{name}: row stride (ld) {ld} is smaller than the row "
+                                f"length {op.cols}")
+        return ld
+    if layout == "mask":
+        if tuple(shape) != (op.rows, op.cols) or not _contiguous(shape, strides):
+            raise ArgumentError(f"{name}: expected a contiguous uint8 bitmask of shape "
+                                f"({op.rows}, {op.cols}), got shape {tuple(shape)} strides {strides}")
+        return 0
+    length = 1 if layout == "scalar" else (op.rows if layout == "col" else op.cols)
+    size = 1
+    for d in shape:
+        size *= d
+    if size != length or sum(1 for d in shape if d != 1) > 1:
+        raise ArgumentError(f"{name}: expected {length} values ({layout} operand, shape "
+                            f"{_vector_shapes(layout, length)}), got shape {tuple(shape)}")
+    if not _contiguous(shape, strides):
+        raise ArgumentError(f"{name}: a {layout} operand must be contiguous, got strides {strides}")
+    return 0
+
+
+def _contiguous(shape, strides) -> bool:
+    expected = 1
+    for d, s in zip(reversed(shape), reversed(strides)):
+        if d != 1 and s != expected:
+            return False
+        expected *= d
+    return True
+
+
+def _vector_shapes(layout, length):
+    if layout == "scalar":
+        return "(), (1,) or (1, 1)"
+    if layout == "row":
+        return f"({length},) or (1, {length})"
+    return f"({length},) or ({length}, 1)"
+
+
+def extent(arr):
+    """[first byte, last byte + 1) of the memory an array or tensor spans."""
+    if is_torch(arr):
+        isz = arr.element_size()
+        start = arr.data_ptr()
+        span = sum((d - 1) * s for d, s in zip(arr.shape, arr.stride())) + 1
+        return start, start + span * isz
+    low, high = np.byte_bounds(arr) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(arr)
+    return low, high
+
+
+def allocate(op, like_torch: bool):
+    """A new array for an output operand, numpy or torch like the inputs."""
+    if op.layout == "block":
+        shape = (op.rows, op.cols)
+    elif op.layout == "mask":
+        shape = (op.rows, op.cols)
+    else:
+        shape = (op.cols if op.layout != "col" else op.rows,)
+    if like_torch:
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, op.dtype.torch_name))
+    return np.empty(shape, op.dtype.numpy)

@@ -1,0 +1,116 @@
+"""The on-disk kernel cache: bytes stored under a text key, safely.
+
+Directory: `TPP_CACHE_DIR`, default `~/.cache/tpp`; `TPP_DISK_CACHE=0` turns the disk cache off.
+The directory is created owner-only (0700). An entry is one file named by the SHA-256 of its key;
+it holds a magic tag, the full key, the payload length and the payload's SHA-256. `load`
+returns None, so the caller rebuilds, for anything it cannot trust: a missing, truncated,
+corrupt or foreign entry (another key, another format), one not owned by this user, a symlink.
+`store` writes a temporary file and renames it into place, so readers never see half an entry
+and two processes storing the same key at once both succeed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import struct
+import tempfile
+from pathlib import Path
+
+MAGIC = b"TPPKRN01"
+_HEADER = struct.Struct("<8sIQ32s")  # magic, key length, payload length, payload sha256
+
+
+def default_directory() -> Path | None:
+    if os.environ.get("TPP_DISK_CACHE", "1").strip() in ("0", "off", "false", "no"):
+        return None
+    configured = os.environ.get("TPP_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "tpp"
+
+
+class DiskCache:
+    def __init__(self, directory: Path | None):
+        self.directory = None if directory is None else Path(directory)
+        self._ready = False
+
+    def _prepare(self) -> bool:
+        """Create the directory (owner-only) once; False disables the cache."""
+        if self.directory is None:
+            return False
+        if not self._ready:
+            try:
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                st = self.directory.stat()
+            except OSError:
+                self.directory = None
+                return False
+            if st.st_uid != os.getuid() or not os.access(self.directory, os.W_OK):
+                self.directory = None
+                return False
+            self._ready = True
+        return True
+
+    def path_for(self, key: str) -> Path:
+        return self.directory / (hashlib.sha256(key.encode()).hexdigest() + ".tppk")
+
+    def load(self, key: str) -> bytes | None:
+        if not self._prepare():
+            return None
+        path = self.path_for(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return None
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                blob = f.read()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        return _decode(blob, key)
+
+    def store(self, key: str, payload: bytes) -> None:
+        if not self._prepare():
+            return
+        blob = _encode(key, payload)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, self.path_for(key))
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        except OSError:
+            pass  # a full or read-only disk costs a recompile next time, nothing more
+
+
+def _encode(key: str, payload: bytes) -> bytes:
+    kb = key.encode()
+    header = _HEADER.pack(MAGIC, len(kb), len(payload), hashlib.sha256(payload).digest())
+    return header + kb + payload
+
+
+def _decode(blob: bytes, key: str) -> bytes | None:
+    if len(blob) < _HEADER.size:
+        return None
+    magic, klen, plen, digest = _HEADER.unpack_from(blob)
+    kb = key.encode()
+    if magic != MAGIC or klen != len(kb) or len(blob) != _HEADER.size + klen + plen:
+        return None
+    if blob[_HEADER.size:_HEADER.size + klen] != kb:
+        return None
+    payload = blob[_HEADER.size + klen:]
+    if hashlib.sha256(payload).digest() != digest:
+        return None
+    return payload

@@ -1,0 +1,175 @@
+"""The callable a primitive is: array calls with validation, and a raw-pointer fast path.
+
+`Kernel(spec)(*inputs, out=None, mask=None, seed=None)` validates every array against the
+spec's operands, allocates outputs that were not given (numpy, or torch when the inputs are
+torch tensors), takes each block's leading dimension from its strides and runs the kernel
+compiled for exactly those lds (compiled on first use, then cached). It returns the output, or
+a tuple (out, mask) when the op writes a bitmask too.
+
+`Kernel.raw` is the compiled C function for the spec's own lds, called with one integer
+address per operand (and the seed last, for dropout): no checks, so it costs about what a
+foreign call costs. Wrong pointers there are the caller's responsibility.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays
+from .errors import ArgumentError, UnsupportedError
+
+_INPLACE_KINDS = ("map", "map_inv", "compare")
+
+
+class Kernel:
+    def __init__(self, spec):
+        self.spec = spec
+        self._operands = spec.operands()
+        self._input_idx = [k for k, o in enumerate(self._operands) if o.role == "in"]
+        self._output_idx = [k for k, o in enumerate(self._operands) if o.role != "in"]
+        self._needs_seed = spec.op == "dropout"
+        self._own_lds = tuple(o.ld for o in self._operands)
+        self._variants = {}
+        self._raw = None
+        self.input_names = tuple(self._operands[k].name for k in self._input_idx)
+        self.output_names = tuple(self._operands[k].name for k in self._output_idx)
+
+    def __repr__(self):
+        return f"<tpp kernel {self.spec.key()}>"
+
+    # ------------------------------------------------------------ compilation
+    def _compiled(self, spec):
+        from tpp_cpu import backend
+        return backend.compile(spec)
+
+    def _signature(self, ctype: str) -> str:
+        args = [ctype] * len(self._operands) + (["int64_t"] if self._needs_seed else [])
+        return f"void(*)({', '.join(args)})"
+
+    def _variant(self, lds: tuple):
+        fn = self._variants.get(lds)
+        if fn is None:
+            spec = self.spec
+            if lds != self._own_lds:
+                changes = {}
+                for op, ld in zip(self._operands, lds):
+                    if op.ld_param is None:
+                        continue
+                    if changes.get(op.ld_param, ld) != ld:
+                        names = [o.name for o in self._operands if o.ld_param == op.ld_param]
+                        raise ArgumentError(f"{' and '.join(names)} must have the same row "
+                                            f"stride (ld); got different strides")
+                    changes[op.ld_param] = ld
+                spec = spec.replace(**changes)
+            compiled = self._compiled(spec)
+            fn = arrays.ffi.cast(self._signature("void *"), compiled.address)
+            self._variants[lds] = fn
+        return fn
+
+    @property
+    def raw(self):
+        """The C function for the spec's own lds: raw(addr0, addr1, ..., [seed])."""
+        if self._raw is None:
+            compiled = self._compiled(self.spec)
+            self._raw = arrays.ffi.cast(self._signature("intptr_t"), compiled.address)
+        return self._raw
+
+    def compile(self):
+        """Compile now (for the spec's own lds) instead of on the first call; returns self."""
+        self.raw
+        return self
+
+    def dump(self, what: str = "asm", isa: str | None = None) -> str:
+        """The generated code: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512" or
+        "avx2" to see another target's code (default: the one that runs here)."""
+        from tpp_cpu import backend, target
+        tgt = target.current() if isa is None else target.make_target(isa)
+        return backend.dump(self.spec, what, tgt)
+
+    # ------------------------------------------------------------ calls
+    def __call__(self, *inputs, out=None, mask=None, seed=None):
+        operands = self._operands
+        if len(inputs) != len(self._input_idx):
+            raise ArgumentError(f"{self.spec.op} takes {len(self._input_idx)} input array(s) "
+                                f"({', '.join(self.input_names)}), got {len(inputs)}")
+        given = {"out": out, "mask": mask}
+        for key in given:
+            if given[key] is not None and key not in self.output_names:
+                raise ArgumentError(f"{self.spec.op} has no output named {key!r}")
+        if self._needs_seed:
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+                raise ArgumentError(f"dropout needs an integer seed=..., got {seed!r}")
+            seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+            seed = seed - (1 << 64) if seed >= 1 << 63 else seed
+        elif seed is not None:
+            raise ArgumentError(f"{self.spec.op} takes no seed")
+
+        bound = [None] * len(operands)
+        use_torch = False
+        for k, obj in zip(self._input_idx, inputs):
+            arr = arrays.as_host_array(obj, operands[k].name)
+            use_torch = use_torch or arrays.is_torch(arr)
+            bound[k] = arr
+        user_outputs = []
+        for k in self._output_idx:
+            op = operands[k]
+            obj = given[op.name]
+            if obj is None:
+                if op.role == "inout":
+                    raise ArgumentError(f"{self.spec.op} reads and writes {op.name}: pass it "
+                                        f"as {op.name}=...")
+                if op.rows == -1:
+                    raise ArgumentError(f"{self.spec.op} needs {op.name}=...")
+                bound[k] = arrays.allocate(op, use_torch)
+            else:
+                bound[k] = arrays.as_host_array(obj, op.name)
+                user_outputs.append(k)
+        lds = tuple(arrays.check(op, arr, op.name) for op, arr in zip(operands, bound))
+        if user_outputs:
+            self._check_overlap(bound, user_outputs)
+        self._check_indices(bound)
+        fn = self._variants.get(lds) or self._variant(lds)
+        ptrs = [arrays.pointer(arr) for arr in bound]
+        if self._needs_seed:
+            fn(*ptrs, seed)
+        else:
+            fn(*ptrs)
+        outs = [bound[k] for k in self._output_idx]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _check_overlap(self, bound, user_outputs):
+        inplace_ok = self.spec.info.kind in _INPLACE_KINDS
+        for k in user_outputs:
+            lo, hi = arrays.extent(bound[k])
+            for j, other in enumerate(bound):
+                if j == k:
+                    continue
+                olo, ohi = arrays.extent(other)
+                if lo < ohi and olo < hi:
+                    if inplace_ok and _same_view(bound[k], other):
+                        continue
+                    raise ArgumentError(
+                        f"{self._operands[k].name} overlaps {self._operands[j].name}; only an "
+                        f"elementwise op may write in place, and only onto the identical array")
+
+    def _check_indices(self, bound):
+        for k, op in enumerate(self._operands):
+            if op.layout != "index":
+                continue
+            idx = bound[k]
+            idx = idx.numpy() if arrays.is_torch(idx) else idx
+            target = bound[k - 1] if op is self._operands[1] and self.spec.op == "gather_rows" \
+                else bound[-1]
+            rows = target.shape[0]
+            if idx.size and (idx.min() < 0 or idx.max() >= rows):
+                raise ArgumentError(f"idx: row indices must lie in [0, {rows}), got "
+                                    f"[{idx.min()}, {idx.max()}]")
+
+
+def _same_view(a, b) -> bool:
+    if arrays.is_torch(a) != arrays.is_torch(b):
+        return False
+    if arrays.is_torch(a):
+        return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+                and a.shape == b.shape and a.dtype == b.dtype)
+    return (a.ctypes.data == b.ctypes.data and a.strides == b.strides and a.shape == b.shape
+            and a.dtype.itemsize == b.dtype.itemsize)

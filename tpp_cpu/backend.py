@@ -1,0 +1,128 @@
+"""The CPU backend's runtime: spec -> generated IR -> object code (disk-cached) -> address.
+
+`compile(spec)` returns a CompiledKernel whose `address` is a C function
+`void f(intptr_t operand0, ..., [int64 seed])` taking one pointer per operand of
+`spec.operands()`, in order. `TPP_DUMP=dir` writes each generated kernel's IR (before and after
+optimisation) and assembly to that directory when it is compiled.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpp import cache
+from tpp.errors import UnsupportedError
+
+import importlib
+
+from . import jit
+from .target import Target, current
+
+# op kind -> the generator module (imported on first use)
+_GENERATORS = {
+    "map": "eltwise", "map_inv": "eltwise", "compare": "eltwise",
+    "reduce": "reduce",
+    "transpose": "transform", "vnni2": "transform", "vnni2_inv": "transform",
+    "gather": "transform", "scatter": "transform",
+}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    spec: object
+    target: Target
+    symbol: str
+    address: int
+    n_scalars: int
+
+
+@functools.lru_cache(maxsize=None)
+def generator_version() -> str:
+    """A hash of the sources that determine generated code (tpp/ and tpp_cpu/), as Triton does:
+    any change to them changes every cache key, so a stale kernel is never served."""
+    h = hashlib.sha256()
+    for pkg in ("tpp", "tpp_cpu"):
+        root = Path(__file__).resolve().parent.parent / pkg
+        for path in sorted(root.glob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(spec, target: Target) -> str:
+    return f"{spec.key()}|gen={generator_version()}|llvm={jit.llvm_version()}|{target.key()}"
+
+
+def symbol_for(key: str) -> str:
+    return "tpp_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=None)
+def _disk() -> cache.DiskCache:
+    return cache.DiskCache(cache.default_directory())
+
+
+def reset_disk_cache():
+    """Forget the disk cache object (tests change TPP_CACHE_DIR between runs)."""
+    _disk.cache_clear()
+
+
+def generate_ir(spec, target: Target, symbol: str):
+    module = importlib.import_module(f"tpp_cpu.{_GENERATORS[spec.info.kind]}")
+    return module.generate(spec, target, symbol)
+
+
+def _n_scalars(spec) -> int:
+    return 1 if spec.op == "dropout" else 0
+
+
+def compile(spec, target: Target | None = None) -> CompiledKernel:
+    """The loaded kernel for spec, from the disk cache when a valid entry exists."""
+    target = current() if target is None else target
+    if not target.runnable:
+        raise UnsupportedError(f"this host cannot run {target.isa} code (TPP_CPU_ISA="
+                               f"{os.environ.get('TPP_CPU_ISA')}); use dump_asm to inspect it")
+    key = cache_key(spec, target)
+    symbol = symbol_for(key)
+    disk = _disk()
+    obj = disk.load(key)
+    if obj is None:
+        obj = build_object(spec, target, symbol)
+        disk.store(key, obj)
+    return CompiledKernel(spec, target, symbol, jit.load(obj, symbol, target), _n_scalars(spec))
+
+
+def build_object(spec, target: Target, symbol: str) -> bytes:
+    module_ir = generate_ir(spec, target, symbol)
+    mod = jit.optimize(module_ir, target)
+    dump_dir = os.environ.get("TPP_DUMP")
+    if dump_dir:
+        _dump(Path(dump_dir), symbol, spec, str(module_ir), str(mod), jit.emit_assembly(mod, target))
+    return jit.emit_object(mod, target)
+
+
+def _dump(directory: Path, symbol, spec, raw_ir, opt_ir, asm):
+    directory.mkdir(parents=True, exist_ok=True)
+    header = f"; {spec.key()}\n"
+    (directory / f"{symbol}.ll").write_text(header + raw_ir)
+    (directory / f"{symbol}.opt.ll").write_text(header + opt_ir)
+    (directory / f"{symbol}.s").write_text(header.replace(";", "#", 1) + asm)
+
+
+def dump(spec, what: str = "asm", target: Target | None = None) -> str:
+    """The generated code of spec as text: what = "ir" (as generated), "opt" (optimised IR) or
+    "asm" (assembly). Works for any target, including one the host cannot run."""
+    target = current() if target is None else target
+    symbol = symbol_for(cache_key(spec, target))
+    module_ir = generate_ir(spec, target, symbol)
+    if what == "ir":
+        return str(module_ir)
+    mod = jit.optimize(module_ir, target)
+    if what == "opt":
+        return str(mod)
+    if what == "asm":
+        return jit.emit_assembly(mod, target)
+    raise ValueError(f"what must be 'ir', 'opt' or 'asm', got {what!r}")

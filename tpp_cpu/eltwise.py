@@ -1,0 +1,92 @@
+"""The generator of elementwise kernels: unary maps, their backward (*_inv), binary ops, compares.
+
+Shape of the code: a loop over the m rows; in each row a loop over full vectors of `lanes`
+columns and, when n is not a multiple of lanes, one masked tail vector. Every input is widened to
+f32, the op's expression (`mapops`) is applied, and the result is narrowed to the output dtype.
+Broadcast inputs are loaded once where they do not depend on the loop: a scalar before the row
+loop, a column element per row, a row vector per column chunk.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from tpp.spec import mask_bytes
+
+from . import irx, mapops
+from .irx import I32, i64
+
+
+def generate(spec, target, symbol: str) -> ir.Module:
+    operands = spec.operands()
+    info = spec.info
+    needs_seed = spec.op == "dropout"
+    module, b, ptrs, scalars = irx.new_kernel(symbol, len(operands), 1 if needs_seed else 0)
+    seed = scalars[0] if needs_seed else None
+    params = dict(spec.params)
+    lanes = target.lanes
+    m, n = spec.m, spec.n
+    full, tail = divmod(n, lanes)
+    n_bytes = mask_bytes(n)
+
+    hoisted = {}
+    for k, op in enumerate(operands):
+        if op.role != "out" and op.layout == "scalar":
+            hoisted[k] = irx.splat(b, irx.to_f32(b, irx.load_vec(
+                b, ptrs[k], i64(0), irx.storage_type(op.dtype), 1), op.dtype), lanes)
+
+    def chunk(row, col, count):
+        w = lanes
+        inputs = []
+        for k, op in enumerate(operands):
+            if op.role == "out":
+                continue
+            if op.layout == "block":
+                inputs.append(irx.load_f32(b, ptrs[k], b.add(b.mul(row, i64(op.ld)), col),
+                                           op.dtype, w, count))
+            elif op.layout == "row":
+                inputs.append(irx.load_f32(b, ptrs[k], col, op.dtype, w, count))
+            elif op.layout == "col":
+                value = irx.load_scalar(b, ptrs[k], row, irx.storage_type(op.dtype))
+                inputs.append(irx.to_f32(b, irx.splat(b, value, w), op.dtype))
+            elif op.layout == "scalar":
+                inputs.append(hoisted[k])
+            elif op.layout == "mask":
+                offset = b.add(b.mul(row, i64(n_bytes)), b.udiv(col, i64(8)))
+                inputs.append(irx.load_bits(b, ptrs[k], offset, w, count))
+
+        def flat_index():
+            base = b.trunc(b.add(b.mul(row, i64(n)), col), I32)
+            lane = ir.Constant(irx.vec(I32, w), list(range(w)))
+            return b.add(irx.splat(b, base, w), lane)
+
+        ctx = mapops.MapContext(b, params, w, flat_index, seed)
+        results = _emit(spec, info, ctx, inputs)
+        outs = [(k, op) for k, op in enumerate(operands) if op.role in ("out", "inout")]
+        for (k, op), value in zip(outs, results):
+            if op.layout == "mask":
+                offset = b.add(b.mul(row, i64(n_bytes)), b.udiv(col, i64(8)))
+                irx.store_bits(b, value, ptrs[k], offset, count)
+            else:
+                irx.store_f32(b, value, ptrs[k], b.add(b.mul(row, i64(op.ld)), col),
+                              op.dtype, count)
+
+    with irx.for_range(b, m, name="row") as row:
+        if full:
+            with irx.for_range(b, full * lanes, step=lanes, name="col") as col:
+                chunk(row, col, None)
+        if tail:
+            chunk(row, i64(full * lanes), tail)
+    b.ret_void()
+    return module
+
+
+def _emit(spec, info, ctx, inputs) -> list:
+    """The output vectors of one chunk, in the order of the spec's output operands."""
+    if spec.family == "binary":
+        if info.kind == "compare":
+            return [mapops.compare(ctx, spec.op[4:], *inputs)]
+        return [mapops.BINARY[spec.op](ctx, *inputs)]
+    if info.kind == "map_inv":
+        return [mapops.UNARY_INV[spec.op](ctx, *inputs)]
+    result = mapops.UNARY[spec.op](ctx, *inputs)
+    return list(result) if isinstance(result, tuple) else [result]

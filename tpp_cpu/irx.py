@@ -1,0 +1,224 @@
+"""A small toolbox over llvmlite.ir: vector constants, intrinsics, loops, typed loads/stores.
+
+Every load widens to f32 and every store narrows from f32, so generators compute in f32 only.
+A vector of `w` lanes covers elements [j, j+w) of a row; a tail covers fewer, given as `count`
+active lanes, and compiles to masked moves (k-masks on AVX-512, vmaskmov or element moves on
+AVX2), never to a scalar loop.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from llvmlite import ir
+
+F32 = ir.FloatType()
+F16 = ir.HalfType()
+I1 = ir.IntType(1)
+I8 = ir.IntType(8)
+I16 = ir.IntType(16)
+I32 = ir.IntType(32)
+I64 = ir.IntType(64)
+PTR = ir.PointerType()
+
+
+def vec(ty, w: int) -> ir.VectorType:
+    return ir.VectorType(ty, w)
+
+
+def const(ty, value):
+    """A scalar constant, or a vector constant with every lane equal to value."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def i64(value: int):
+    return ir.Constant(I64, value)
+
+
+def splat(b: ir.IRBuilder, scalar, w: int):
+    """A vector with every lane equal to a runtime scalar."""
+    ty = vec(scalar.type, w)
+    one = b.insert_element(ir.Constant(ty, ir.Undefined), scalar, ir.Constant(I32, 0))
+    return b.shuffle_vector(one, ir.Constant(ty, ir.Undefined), ir.Constant(vec(I32, w), [0] * w))
+
+
+def lane_mask(w: int, count: int):
+    """The constant <w x i1> with the first `count` lanes on."""
+    return ir.Constant(vec(I1, w), [1 if i < count else 0 for i in range(w)])
+
+
+def _mangle(ty) -> str:
+    if isinstance(ty, ir.VectorType):
+        return f"v{ty.count}{_mangle(ty.element)}"
+    if isinstance(ty, ir.PointerType):
+        return "p0"
+    if isinstance(ty, ir.FloatType):
+        return "f32"
+    if isinstance(ty, ir.HalfType):
+        return "f16"
+    if isinstance(ty, ir.IntType):
+        return f"i{ty.width}"
+    raise TypeError(ty)
+
+
+def intrinsic(module: ir.Module, base: str, ret, args, overloads=None) -> ir.Function:
+    """Declare (once per module) the LLVM intrinsic `base` overloaded on `overloads` types."""
+    overloads = [ret] if overloads is None else overloads
+    name = ".".join([base] + [_mangle(t) for t in overloads])
+    existing = module.globals.get(name)
+    if existing is not None:
+        return existing
+    return ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
+def call(b: ir.IRBuilder, base: str, *args, ret=None, overloads=None):
+    """Call an intrinsic whose return type defaults to the first argument's type."""
+    ret = args[0].type if ret is None else ret
+    fn = intrinsic(b.module, base, ret, [a.type for a in args], overloads)
+    return b.call(fn, list(args))
+
+
+def fma(b, x, y, z):
+    return call(b, "llvm.fma", x, y, z)
+
+
+def fabs(b, x):
+    return call(b, "llvm.fabs", x)
+
+
+# ---------------------------------------------------------------- loops
+@contextlib.contextmanager
+def for_range(b: ir.IRBuilder, count, step: int = 1, start=0, name="i"):
+    """`for i in range(start, count, step)`; count/start are ints or i64 values. Yields i."""
+    count = i64(count) if isinstance(count, int) else count
+    start = i64(start) if isinstance(start, int) else start
+    pre = b.block
+    fn = pre.function
+    head = fn.append_basic_block(f"{name}.head")
+    body = fn.append_basic_block(f"{name}.body")
+    done = fn.append_basic_block(f"{name}.done")
+    b.branch(head)
+    b.position_at_end(head)
+    idx = b.phi(I64, name=name)
+    idx.add_incoming(start, pre)
+    b.cbranch(b.icmp_signed("<", idx, count), body, done)
+    b.position_at_end(body)
+    yield idx
+    nxt = b.add(idx, i64(step), name=f"{name}.next")
+    idx.add_incoming(nxt, b.block)
+    b.branch(head)
+    b.position_at_end(done)
+
+
+# ---------------------------------------------------------------- memory
+def storage_type(dtype):
+    """The LLVM element type holding a dtype's bits."""
+    return {"f32": F32, "f16": F16, "bf16": I16, "i64": I64, "u8": I8}[dtype.name]
+
+
+_ALIGN = {"float": 4, "half": 2, "i16": 2, "i64": 8, "i8": 1, "i32": 4}
+
+
+def element_ptr(b, base, offset, ty):
+    """Address of element `offset` (i64) of type `ty` from an untyped base pointer."""
+    return b.gep(base, [offset], source_etype=ty)
+
+
+def load_vec(b, base, offset, ty, w: int, count: int | None = None):
+    """Load w elements of type ty (count < w: the first count lanes, the rest zero)."""
+    vt = vec(ty, w)
+    ptr = element_ptr(b, base, offset, ty)
+    align = _ALIGN[str(ty)]
+    if count is None or count >= w:
+        return b.load(ptr, typ=vt, align=align)
+    fn = intrinsic(b.module, "llvm.masked.load", vt, [PTR, I32, vec(I1, w), vt], [vt, PTR])
+    return b.call(fn, [ptr, ir.Constant(I32, align), lane_mask(w, count), const(vt, 0)])
+
+
+def store_vec(b, value, base, offset, count: int | None = None):
+    """Store a vector (count < lanes: only the first count lanes)."""
+    vt = value.type
+    ty, w = vt.element, vt.count
+    ptr = element_ptr(b, base, offset, ty)
+    align = _ALIGN[str(ty)]
+    if count is None or count >= w:
+        b.store(value, ptr, align=align)
+        return
+    fn = intrinsic(b.module, "llvm.masked.store", ir.VoidType(), [vt, PTR, I32, vec(I1, w)], [vt, PTR])
+    b.call(fn, [value, ptr, ir.Constant(I32, align), lane_mask(w, count)])
+
+
+def load_scalar(b, base, offset, ty):
+    return b.load(element_ptr(b, base, offset, ty), typ=ty, align=_ALIGN[str(ty)])
+
+
+def to_f32(b, raw, dtype):
+    """Widen a loaded vector of dtype's storage type to f32 (exact)."""
+    if dtype.name == "f32":
+        return raw
+    w = raw.type.count
+    if dtype.name == "f16":
+        return b.fpext(raw, vec(F32, w))
+    wide = b.shl(b.zext(raw, vec(I32, w)), const(vec(I32, w), 16))
+    return b.bitcast(wide, vec(F32, w))
+
+
+def from_f32(b, value, dtype):
+    """Narrow an f32 vector to dtype's storage type, rounding to nearest even."""
+    if dtype.name == "f32":
+        return value
+    w = value.type.count
+    if dtype.name == "f16":
+        return b.fptrunc(value, vec(F16, w))
+    vi = vec(I32, w)
+    bits = b.bitcast(value, vi)
+    lsb = b.and_(b.lshr(bits, const(vi, 16)), const(vi, 1))
+    rounded = b.lshr(b.add(bits, b.add(lsb, const(vi, 0x7FFF))), const(vi, 16))
+    quiet = b.or_(b.lshr(bits, const(vi, 16)), const(vi, 0x40))  # nan stays nan, quieted
+    isnan = b.fcmp_unordered("uno", value, value)
+    return b.trunc(b.select(isnan, quiet, rounded), vec(I16, w))
+
+
+def load_f32(b, base, offset, dtype, w, count=None):
+    return to_f32(b, load_vec(b, base, offset, storage_type(dtype), w, count), dtype)
+
+
+def store_f32(b, value, base, offset, dtype, count=None):
+    store_vec(b, from_f32(b, value, dtype), base, offset, count)
+
+
+# ---------------------------------------------------------------- the kernel ABI
+def new_kernel(symbol: str, n_pointers: int, n_scalars: int = 0):
+    """A module with `void symbol(i64 ptr0, ..., i64 scalar0, ...)`, every pointer passed as an
+    integer (the raw-pointer call path passes Python ints). Returns (module, builder, ptrs,
+    scalars) with the builder in the entry block."""
+    module = ir.Module(name=symbol)
+    fnty = ir.FunctionType(ir.VoidType(), [I64] * (n_pointers + n_scalars))
+    fn = ir.Function(module, fnty, name=symbol)
+    fn.attributes.add("nounwind")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    ptrs = [b.inttoptr(a, PTR, name=f"p{k}") for k, a in enumerate(fn.args[:n_pointers])]
+    return module, b, ptrs, list(fn.args[n_pointers:])
+
+
+# ---------------------------------------------------------------- bitmasks
+def load_bits(b, base, byte_offset, w: int, count: int | None = None):
+    """Load the bits of w lanes (w a multiple of 8) as <w x i1>; a tail reads ceil(count/8) bytes."""
+    nbytes = w // 8 if count is None else (count + 7) // 8
+    raw = b.load(element_ptr(b, base, byte_offset, I8), typ=ir.IntType(8 * nbytes), align=1)
+    if 8 * nbytes < w:
+        raw = b.zext(raw, ir.IntType(w))
+    return b.bitcast(raw, vec(I1, w))
+
+
+def store_bits(b, bits, base, byte_offset, count: int | None = None):
+    """Store <w x i1> as w/8 bytes; a tail stores ceil(count/8) bytes, unused bits cleared."""
+    w = bits.type.count
+    if count is not None and count < w:
+        bits = b.and_(bits, lane_mask(w, count))
+    nbytes = w // 8 if count is None else (count + 7) // 8
+    raw = b.bitcast(bits, ir.IntType(w))
+    if 8 * nbytes < w:
+        raw = b.trunc(raw, ir.IntType(8 * nbytes))
+    b.store(raw, element_ptr(b, base, byte_offset, I8), align=1)
