@@ -31,8 +31,8 @@ def generate(spec, target, symbol: str) -> ir.Module:
     hoisted = {}
     for k, op in enumerate(operands):
         if op.role != "out" and op.layout == "scalar":
-            hoisted[k] = irx.splat(b, irx.to_f32(b, irx.load_vec(
-                b, ptrs[k], i64(0), irx.storage_type(op.dtype), 1), op.dtype), lanes)
+            value = irx.load_scalar(b, ptrs[k], i64(0), irx.storage_type(op.dtype))
+            hoisted[k] = irx.to_f32(b, irx.splat(b, value, lanes), op.dtype)
 
     def chunk(row, col, count):
         w = lanes

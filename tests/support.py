@@ -1,0 +1,154 @@
+"""Shared helpers of the test suite: inputs per op, strided views, the tolerance table."""
+from __future__ import annotations
+
+import numpy as np
+
+import tpp
+
+RNG = np.random.default_rng(1234)
+
+# Input value ranges that exercise each op (defaults: standard normal * 3).
+_RANGES = {
+    "sqrt": ("uniform", 0.0, 100.0),
+    "rsqrt": ("uniform", 1e-3, 100.0),
+    "exp": ("uniform", -20.0, 20.0),
+    "elu": ("uniform", -10.0, 5.0),
+    "tanh_inv": ("uniform", -1.0, 1.0),
+    "sigmoid_inv": ("uniform", 0.0, 1.0),
+    "elu_inv": ("uniform", -1.0, 5.0),
+}
+
+# op -> (rtol, atol) for f32 outputs. Exact IEEE ops are within double rounding (1 ulp);
+# vector transcendentals are within their stated 1e-6 relative bound.
+_ULP = 2.0 ** -23
+TOLERANCE = {
+    "default": (2 * _ULP, 0.0),
+    "rsqrt": (4 * _ULP, 0.0),
+    "exp": (1e-6, 0.0),
+    "tanh": (1e-6, 0.0),
+    "sigmoid": (1e-6, 0.0),
+    "gelu": (1e-6, 1e-30),
+    "elu": (2e-6, 1e-30),
+    "gelu_inv": (3e-6, 1e-7),
+    "tanh_inv": (4 * _ULP, 1e-7),
+    "sigmoid_inv": (4 * _ULP, 1e-8),
+    "elu_inv": (4 * _ULP, 1e-7),
+    "muladd": (2 * _ULP, 1e-6),
+}
+# extra relative error of rounding the f32 result to a 16-bit output (double rounding: 1 ulp)
+_OUT_ROUNDING = {"f32": 0.0, "bf16": 2.0 ** -7, "f16": 2.0 ** -10}
+
+
+def values(op: str, shape, dtype) -> np.ndarray:
+    kind = _RANGES.get(op)
+    if kind is None:
+        data = RNG.standard_normal(shape) * 3.0
+    else:
+        data = RNG.uniform(kind[1], kind[2], shape)
+    return data.astype(np.float32).astype(tpp.dtypes.lookup(dtype).numpy)
+
+
+def strided(arr: np.ndarray, pad: int) -> np.ndarray:
+    """A copy of a 2D array as a view into a wider buffer (ld = cols + pad), margins poisoned."""
+    rows, cols = arr.shape
+    fill = np.array(np.nan, np.float32).astype(arr.dtype) if arr.dtype.kind == "f" or \
+        arr.dtype.name == "bfloat16" else 0
+    big = np.full((rows, cols + pad), fill, dtype=arr.dtype)
+    big[:, :cols] = arr
+    return big[:, :cols]
+
+
+def out_buffer(shape, dtype, pad: int, sentinel=7.0):
+    """An output view (ld = cols + pad) into a buffer filled with a sentinel, and the buffer."""
+    rows, cols = shape
+    dt = tpp.dtypes.lookup(dtype).numpy
+    big = np.full((rows + 1, cols + pad), sentinel, dtype=np.float32).astype(dt)
+    return big[:rows, :cols], big
+
+
+def check_margins(big, rows, cols, sentinel=7.0):
+    """Nothing outside the [:rows, :cols] window of big was written."""
+    s = np.array(sentinel, np.float32).astype(big.dtype)
+    assert (big[rows:] == s).all(), "the kernel wrote past the last row"
+    assert (big[:rows, cols:] == s).all(), "the kernel wrote past the end of a row"
+
+
+def assert_matches(got, want, op: str, dtype_out: str):
+    rtol, atol = TOLERANCE.get(op, TOLERANCE["default"])
+    rtol += _OUT_ROUNDING[tpp.dtypes.lookup(dtype_out).name]
+    g = np.asarray(got).astype(np.float64)
+    w = np.asarray(want).astype(np.float64)
+    assert g.shape == w.shape, (g.shape, w.shape)
+    nan_g, nan_w = np.isnan(g), np.isnan(w)
+    assert (nan_g == nan_w).all(), f"{op}: nan mismatch at {np.argwhere(nan_g != nan_w)[:5]}"
+    finite = ~nan_w
+    g, w = g[finite], w[finite]
+    inf = np.isinf(w)
+    assert (g[inf] == w[inf]).all(), f"{op}: infinities differ"
+    g, w = g[~inf], w[~inf]
+    if w.size == 0:
+        return
+    err = np.abs(g - w)
+    bound = atol + rtol * np.abs(w)
+    bad = err > bound
+    assert not bad.any(), (f"{op}: {bad.sum()} of {w.size} elements off; worst got "
+                           f"{g[bad][:3]} want {w[bad][:3]} (rtol {rtol:g}, atol {atol:g})")
+    norm = np.linalg.norm(w)
+    if norm > 0:
+        assert np.linalg.norm(g - w) / norm <= max(rtol, 1e-7)
+
+
+def make_inputs(spec, pad: int = 0):
+    """Arrays for the spec's inputs (operand order), blocks as views with ld = cols + pad."""
+    arrays = []
+    for op in spec.operands():
+        if op.role != "in":
+            continue
+        if op.layout == "mask":
+            arrays.append(RNG.integers(0, 256, (op.rows, op.cols), dtype=np.uint8))
+            continue
+        if op.layout == "index":
+            arrays.append(RNG.integers(0, spec.m, op.cols).astype(np.int64))
+            continue
+        value_op = spec.op
+        if op.name in ("x", "y") and spec.info.kind == "map_inv":
+            value_op = spec.op
+        elif op.name == "grad":
+            value_op = "grad"
+        shape = {"block": (op.rows, op.cols), "row": (op.cols,), "col": (op.rows,),
+                 "scalar": ()}[op.layout]
+        data = values(value_op, shape, op.dtype.name)
+        if op.layout == "block" and pad:
+            data = strided(data, pad)
+        arrays.append(data)
+    return arrays
+
+
+def run_checked(kernel, pad_out: int = 0, pad_in: int = 0, seed=None):
+    """Call kernel on generated inputs with a sentinel-bordered out; check against the reference."""
+    spec = kernel.spec
+    inputs = make_inputs(spec, pad_in)
+    outs = [o for o in spec.operands() if o.role != "in"]
+    kwargs = {}
+    bigs = {}
+    for o in outs:
+        if o.layout == "block":
+            view, big = out_buffer((o.rows, o.cols), o.dtype.name, pad_out)
+            if o.role == "inout":
+                view[...] = values(spec.op, view.shape, o.dtype.name)
+                inputs.append(view.copy())
+            kwargs[o.name], bigs[o.name] = view, big
+    if seed is not None:
+        kwargs["seed"] = seed
+    got = kernel(*inputs[:len(kernel.input_names)], **kwargs)
+    want = tpp.reference.run(spec, *inputs, **({"seed": seed} if seed is not None else {}))
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for o, g, w in zip(outs, got, want):
+        if o.layout == "mask":
+            np.testing.assert_array_equal(g, w, err_msg=f"{spec.op}: bitmask differs")
+        else:
+            assert_matches(g, w, spec.op, o.dtype.name)
+        if o.name in bigs:
+            check_margins(bigs[o.name], o.rows, o.cols)
+    return got
