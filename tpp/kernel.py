@@ -152,16 +152,16 @@ class Kernel:
                         f"elementwise op may write in place, and only onto the identical array")
 
     def _check_indices(self, bound):
+        """Row indices must address rows of the operand with a free row count."""
         for k, op in enumerate(self._operands):
             if op.layout != "index":
                 continue
             idx = bound[k]
             idx = idx.numpy() if arrays.is_torch(idx) else idx
-            target = bound[k - 1] if op is self._operands[1] and self.spec.op == "gather_rows" \
-                else bound[-1]
-            rows = target.shape[0]
+            addressed = next(j for j, o in enumerate(self._operands) if o.rows == -1)
+            rows = bound[addressed].shape[0]
             if idx.size and (idx.min() < 0 or idx.max() >= rows):
-                raise ArgumentError(f"idx: row indices must lie in [0, {rows}), got "
+                raise ArgumentError(f"{op.name}: row indices must lie in [0, {rows}), got "
                                     f"[{idx.min()}, {idx.max()}]")
 
 
