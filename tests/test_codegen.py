@@ -26,7 +26,7 @@ def test_bf16_and_f16_conversions_are_vectorised():
 
 def test_dump_ir_and_optimised_ir():
     k = tpp.unary("exp", 4, 16)
-    assert "define void @tpp_" in k.dump("ir")
+    assert "define void @\"tpp_" in k.dump("ir")
     assert "fmul" in k.dump("opt") or "fma" in k.dump("opt")
     with pytest.raises(ValueError):
         k.dump("pdf")

@@ -111,7 +111,8 @@ def test_max_min_propagate_nan():
 def test_relu_specials():
     x = np.array([[-0.0, 0.0, np.nan, -np.inf, np.inf, -1.0, 1e-45, -1e-45]], np.float32)
     y, mask = tpp.unary("relu", 1, 8, bitmask=True)(x)
-    np.testing.assert_array_equal(y, [[0.0, 0.0, np.nan, 0.0, np.inf, 0.0, 1e-45, 0.0]])
+    np.testing.assert_array_equal(
+        y, np.array([[0.0, 0.0, np.nan, 0.0, np.inf, 0.0, 1e-45, 0.0]], np.float32))
     assert not np.signbit(y[0, 0])
     np.testing.assert_array_equal(tpp.reference.unpack_mask(mask, 8)[0],
                                   [0, 0, 0, 0, 1, 0, 1, 0])

@@ -62,16 +62,16 @@ def as_host_array(obj, name: str):
 
 
 def geometry(arr, name: str):
-    """(dtype, shape, strides in elements, writable) of a host array or tensor."""
+    """(DType or None, shape, strides in elements, writable, native dtype) of an array/tensor."""
     if is_torch(arr):
         dt = _torch_dtype(arr)
-        return dt, tuple(arr.shape), tuple(arr.stride()), True, str(arr.dtype)
+        return dt, tuple(arr.shape), tuple(arr.stride()), True, arr.dtype
     dt = _NP_DTYPES.get(arr.dtype)
     isz = arr.itemsize
     strides = arr.strides
     if any(s % isz for s in strides):
         raise ArgumentError(f"{name}: strides {strides} are not multiples of the element size {isz}")
-    return dt, arr.shape, tuple(s // isz for s in strides), arr.flags.writeable, str(arr.dtype)
+    return dt, arr.shape, tuple(s // isz for s in strides), arr.flags.writeable, arr.dtype
 
 
 def pointer(arr):

@@ -32,6 +32,27 @@ class Kernel:
         self._raw = None
         self.input_names = tuple(self._operands[k].name for k in self._input_idx)
         self.output_names = tuple(self._operands[k].name for k in self._output_idx)
+        self._fast = self._fast_plan()
+        self._fastcall = None
+        self._has_index = any(o.layout == "index" for o in self._operands)
+
+    def _fast_plan(self):
+        """(input checks, output allocations) for the common call: C-contiguous numpy arrays of
+        exactly the operands' shapes, the spec's lds equal to the row lengths, outputs either
+        allocated or given. None where the spec does not allow it (other lds, inout, index)."""
+        ops = self._operands
+        for op in ops:
+            if op.layout == "index" or op.role == "inout" or op.rows == -1:
+                return None
+            if op.layout == "block" and op.ld != op.cols:
+                return None
+        shape = {"block": lambda o: (o.rows, o.cols), "mask": lambda o: (o.rows, o.cols),
+                 "row": lambda o: (o.cols,), "vector": lambda o: (o.cols,),
+                 "col": lambda o: (o.rows,), "scalar": lambda o: ()}
+        ins = tuple((ops[k].dtype.numpy, shape[ops[k].layout](ops[k])) for k in self._input_idx)
+        outs = tuple((ops[k].dtype.numpy, shape[ops[k].layout](ops[k]), ops[k].name)
+                     for k in self._output_idx)
+        return ins, outs
 
     def __repr__(self):
         return f"<tpp kernel {self.spec.key()}>"
@@ -63,6 +84,8 @@ class Kernel:
             compiled = self._compiled(spec)
             fn = arrays.ffi.cast(self._signature("void *"), compiled.address)
             self._variants[lds] = fn
+            if lds == self._own_lds:
+                self._fastcall = self._make_fastcall(fn)
         return fn
 
     @property
@@ -87,6 +110,69 @@ class Kernel:
 
     # ------------------------------------------------------------ calls
     def __call__(self, *inputs, out=None, mask=None, seed=None):
+        fast = self._fastcall
+        if fast is not None and mask is None and seed is None:
+            result = fast(inputs, out)
+            if result is not None:
+                return result
+        return self._call_checked(inputs, out, mask, seed)
+
+    def _make_fastcall(self, fn):
+        """A closure for the common call (see _fast_plan) in as few Python operations as
+        possible; it returns None whenever the checked path must decide."""
+        if self._fast is None or self._needs_seed:
+            return None
+        (ins, outs) = self._fast
+        if len(outs) != 1 or len(ins) not in (1, 2):
+            return None
+        ndarray, empty, from_buffer, may_share = np.ndarray, np.empty, arrays.ffi.from_buffer, \
+            np.may_share_memory
+        odt, oshape, _ = outs[0]
+
+        def output(out, inputs):
+            if out is None:
+                return empty(oshape, odt)
+            if type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
+                    or not out.flags.c_contiguous or not out.flags.writeable:
+                return None
+            for x in inputs:
+                if x is not out and may_share(x, out):
+                    return None
+            return out
+
+        if len(ins) == 1:
+            (dt, shape), = ins
+
+            def fast1(inputs, out):
+                if len(inputs) != 1:
+                    return None
+                x, = inputs
+                if type(x) is ndarray and x.dtype == dt and x.shape == shape \
+                        and x.flags.c_contiguous:
+                    y = output(out, inputs)
+                    if y is not None:
+                        fn(from_buffer(x), from_buffer(y))
+                        return y
+                return None
+            return fast1
+
+        (dt0, shape0), (dt1, shape1) = ins
+
+        def fast2(inputs, out):
+            if len(inputs) != 2:
+                return None
+            a, b = inputs
+            if type(a) is ndarray and type(b) is ndarray and a.dtype == dt0 and b.dtype == dt1 \
+                    and a.shape == shape0 and b.shape == shape1 and a.flags.c_contiguous \
+                    and b.flags.c_contiguous:
+                y = output(out, inputs)
+                if y is not None:
+                    fn(from_buffer(a), from_buffer(b), from_buffer(y))
+                    return y
+            return None
+        return fast2
+
+    def _call_checked(self, inputs, out, mask, seed):
         operands = self._operands
         if len(inputs) != len(self._input_idx):
             raise ArgumentError(f"{self.spec.op} takes {len(self._input_idx)} input array(s) "
@@ -126,7 +212,8 @@ class Kernel:
         lds = tuple(arrays.check(op, arr, op.name) for op, arr in zip(operands, bound))
         if user_outputs:
             self._check_overlap(bound, user_outputs)
-        self._check_indices(bound)
+        if self._has_index:
+            self._check_indices(bound)
         fn = self._variants.get(lds) or self._variant(lds)
         ptrs = [arrays.pointer(arr) for arr in bound]
         if self._needs_seed:

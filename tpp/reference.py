@@ -34,7 +34,9 @@ def _phi_cdf(x):
 def _gelu(x, approximate):
     with np.errstate(all="ignore"):
         if approximate == "tanh":
-            return 0.5 * x * (1.0 + np.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)))
+            # 0.5*x*(1 + tanh(u)) = x*sigmoid(2u), free of cancellation for negative x
+            u = _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)
+            return np.where(x == -np.inf, -0.0, x * _sigmoid(2.0 * u))
         y = x * _phi_cdf(x)
         return np.where(x == -np.inf, -0.0, y)
 
@@ -43,9 +45,11 @@ def _gelu_grad(x, approximate):
     with np.errstate(all="ignore"):
         if approximate == "tanh":
             u = _SQRT_2_OVER_PI * (x + 0.044715 * x ** 3)
-            t = np.tanh(u)
             du = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
-            return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+            s = _sigmoid(2.0 * u)
+            e = np.exp(-2.0 * np.abs(u))
+            ds = e / (1.0 + e) ** 2          # s*(1-s) without cancellation
+            return s + np.where(np.isinf(x), 0.0, 2.0 * x * ds * du)
         pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
         g = _phi_cdf(x) + np.where(np.isinf(x), 0.0, x * pdf)
         return g
