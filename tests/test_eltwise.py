@@ -153,3 +153,19 @@ def test_unary_hypothesis(case, m, n, pad, dtype_in, dtype_out):
        b1=st.sampled_from([None, "row", "col", "scalar"]), dtype=st.sampled_from(DTYPES))
 def test_binary_hypothesis(op, m, n, b0, b1, dtype):
     run_checked(tpp.binary(op, m, n, bcast_in0=b0, bcast_in1=b1, dtype_in0=dtype))
+
+
+@pytest.mark.parametrize("pad", [0, 1, 4])
+def test_large_outputs_take_the_streaming_path_correctly(pad):
+    from tpp_cpu.eltwise import STREAMING_BYTES
+    n = 2048
+    assert n * n * 4 >= STREAMING_BYTES
+    x = RNG.standard_normal((n, n)).astype(np.float32)
+    k = tpp.binary("add", n, n, bcast_in1="row", ldo=n + pad)
+    big = np.full((n + 1, n + pad), 7.0, np.float32)
+    row = RNG.standard_normal(n).astype(np.float32)
+    k(x, row, out=big[:n, :n])
+    np.testing.assert_array_equal(big[:n, :n], x + row)
+    assert (big[n:] == 7.0).all() and (big[:n, n:] == 7.0).all()
+    if pad == 0:
+        assert "vmovntps" in k.dump("asm")

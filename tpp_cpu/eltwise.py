@@ -5,6 +5,11 @@ columns and, when n is not a multiple of lanes, one masked tail vector. Every in
 f32, the op's expression (`mapops`) is applied, and the result is narrowed to the output dtype.
 Broadcast inputs are loaded once where they do not depend on the loop: a scalar before the row
 loop, a column element per row, a row vector per column chunk.
+
+Outputs larger than STREAMING_BYTES cannot stay in cache anyway: for them the kernel checks at
+run time that every output row is aligned to the vector size and then writes with non-temporal
+stores, which skip the read-for-ownership and so save a third of the memory traffic of a
+map. Outputs not aligned to 16 bytes take the ordinary loop.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from tpp.spec import mask_bytes
 
 from . import irx, mapops
 from .irx import I32, i64
+
+STREAMING_BYTES = 16 << 20
 
 
 def generate(spec, target, symbol: str) -> ir.Module:
@@ -34,7 +41,7 @@ def generate(spec, target, symbol: str) -> ir.Module:
             value = irx.load_scalar(b, ptrs[k], i64(0), irx.storage_type(op.dtype))
             hoisted[k] = irx.to_f32(b, irx.splat(b, value, lanes), op.dtype)
 
-    def chunk(row, col, count):
+    def chunk(row, col, count, streaming=False):
         w = lanes
         inputs = []
         for k, op in enumerate(operands):
@@ -68,16 +75,43 @@ def generate(spec, target, symbol: str) -> ir.Module:
                 irx.store_bits(b, value, ptrs[k], offset, count)
             else:
                 irx.store_f32(b, value, ptrs[k], b.add(b.mul(row, i64(op.ld)), col),
-                              op.dtype, count)
+                              op.dtype, count, streaming and op.layout == "block")
 
-    with irx.for_range(b, m, name="row") as row:
-        if full:
-            with irx.for_range(b, full * lanes, step=lanes, name="col") as col:
-                chunk(row, col, None)
-        if tail:
-            chunk(row, i64(full * lanes), tail)
+    def rows(streaming):
+        with irx.for_range(b, m, name="row") as row:
+            if full:
+                with irx.for_range(b, full * lanes, step=lanes, name="col") as col:
+                    chunk(row, col, None, streaming)
+            if tail:
+                chunk(row, i64(full * lanes), tail)
+
+    blocks_out = [(k, op) for k, op in enumerate(operands)
+                  if op.role == "out" and op.layout == "block"]
+    big = sum(op.rows * op.ld * op.dtype.itemsize for _, op in blocks_out) >= STREAMING_BYTES
+    if big and full:
+        aligned = _rows_aligned(b, [(ptrs[k], op, lanes) for k, op in blocks_out])
+        with b.if_else(aligned) as (then, otherwise):
+            with then:
+                rows(True)
+                irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
+            with otherwise:
+                rows(False)
+    else:
+        rows(False)
     b.ret_void()
     return module
+
+
+def _rows_aligned(b, outputs):
+    """i1: every output's base address and row pitch are multiples of a streaming store."""
+    ok = ir.Constant(ir.IntType(1), 1)
+    for ptr, op, lanes in outputs:
+        vbytes = irx.STREAM_PIECE
+        if (op.ld * op.dtype.itemsize) % vbytes:
+            return ir.Constant(ir.IntType(1), 0)
+        addr = b.ptrtoint(ptr, irx.I64)
+        ok = b.and_(ok, b.icmp_unsigned("==", b.and_(addr, i64(vbytes - 1)), i64(0)))
+    return ok
 
 
 def _emit(spec, info, ctx, inputs) -> list:

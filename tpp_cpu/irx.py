@@ -117,6 +117,7 @@ def storage_type(dtype):
     return {"f32": F32, "f16": F16, "bf16": I16, "i64": I64, "u8": I8}[dtype.name]
 
 
+STREAM_PIECE = 16   # bytes per non-temporal store
 _ALIGN = {"float": 4, "half": 2, "i16": 2, "i64": 8, "i8": 1, "i32": 4}
 
 
@@ -136,14 +137,25 @@ def load_vec(b, base, offset, ty, w: int, count: int | None = None):
     return b.call(fn, [ptr, ir.Constant(I32, align), lane_mask(w, count), const(vt, 0)])
 
 
-def store_vec(b, value, base, offset, count: int | None = None):
-    """Store a vector (count < lanes: only the first count lanes)."""
+def store_vec(b, value, base, offset, count: int | None = None, streaming: bool = False):
+    """Store a vector (count < lanes: only the first count lanes). streaming=True makes a full
+    store non-temporal (it bypasses the caches), as 16-byte pieces: the address must then be
+    16-byte aligned, which the caller guarantees (numpy only promises 16)."""
     vt = value.type
     ty, w = vt.element, vt.count
     ptr = element_ptr(b, base, offset, ty)
     align = _ALIGN[str(ty)]
     if count is None or count >= w:
-        b.store(value, ptr, align=align)
+        if streaming and (align * w) % STREAM_PIECE == 0:
+            per = STREAM_PIECE // align
+            flag = b.module.add_metadata([ir.Constant(I32, 1)])
+            for k in range(0, w, per):
+                piece = b.shuffle_vector(value, ir.Constant(vt, ir.Undefined),
+                                         ir.Constant(vec(I32, per), list(range(k, k + per))))
+                addr = element_ptr(b, ptr, i64(k), ty)
+                b.store(piece, addr, align=STREAM_PIECE).set_metadata("nontemporal", flag)
+        else:
+            b.store(value, ptr, align=align)
         return
     fn = intrinsic(b.module, "llvm.masked.store", ir.VoidType(), [vt, PTR, I32, vec(I1, w)], [vt, PTR])
     b.call(fn, [value, ptr, ir.Constant(I32, align), lane_mask(w, count)])
@@ -184,8 +196,8 @@ def load_f32(b, base, offset, dtype, w, count=None):
     return to_f32(b, load_vec(b, base, offset, storage_type(dtype), w, count), dtype)
 
 
-def store_f32(b, value, base, offset, dtype, count=None):
-    store_vec(b, from_f32(b, value, dtype), base, offset, count)
+def store_f32(b, value, base, offset, dtype, count=None, streaming=False):
+    store_vec(b, from_f32(b, value, dtype), base, offset, count, streaming)
 
 
 # ---------------------------------------------------------------- the kernel ABI
