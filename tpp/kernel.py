@@ -8,7 +8,8 @@ a tuple (out, mask) when the op writes a bitmask too.
 
 `Kernel.raw` is the compiled C function for the spec's own lds, called with one integer
 address per operand (and the seed last, for dropout): no checks, so it costs about what a
-foreign call costs. Wrong pointers there are the caller's responsibility.
+foreign call costs. Wrong pointers, too-small buffers and out-of-range gather/scatter indices
+there are the caller's responsibility.
 """
 from __future__ import annotations
 
