@@ -1,0 +1,203 @@
+"""tpp-bench: the microbenchmark command line.
+
+    tpp-bench                         the default suites (peak, eltwise, overhead; ~20 s)
+    tpp-bench eltwise jit             named suites
+    tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
+    tpp-bench info                    the machine, the selected target, library versions
+    tpp-bench --list                  the suites
+
+Exit status: 0 after a run (cases that could not run are listed under "notes"), 1 when a suite
+crashed, 2 for a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+              "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors by raising instead of exiting (main returns a code)."""
+
+    def exit(self, status=0, message=None):
+        if message:
+            self._print_message(message, sys.stderr)
+        raise _Exit(status)
+
+
+class _Exit(Exception):
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+def _shape_list(text: str) -> list:
+    shapes = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            m, n = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected shapes like 64x64,4096x4096, got "
+                                             f"{part!r}") from None
+        if m < 1 or n < 1:
+            raise argparse.ArgumentTypeError(f"shape dimensions must be >= 1, got {part!r}")
+        shapes.append((m, n))
+    if not shapes:
+        raise argparse.ArgumentTypeError("expected at least one shape such as 64x64")
+    return shapes
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="tpp-bench",
+        description="Microbenchmarks of the TPP library, each figure a ratio measured in the "
+                    "same run: against the machine's copy-bandwidth peak and against numpy and "
+                    "torch on the same shapes.",
+        epilog="suites: 'info', or see --list. Without a suite: the default set, quickly.")
+    p.add_argument("suites", nargs="*", metavar="SUITE",
+                   help="suites to run (default: the quick default set); 'info' describes the "
+                        "machine")
+    p.add_argument("--quick", action="store_true",
+                   help="shorter measurements (noisier figures)")
+    p.add_argument("--json", metavar="FILE",
+                   help="write the records as a JSON list to FILE ('-' for stdout)")
+    p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
+                   help="threads for numpy/torch (default 1: the benchmarks are single-threaded)")
+    p.add_argument("--shapes", type=_shape_list, metavar="MxN[,MxN...]",
+                   help="block shapes for the eltwise suite (default 64x64,4096x4096)")
+    p.add_argument("--providers", default="tpp,numpy,torch", metavar="LIST",
+                   help="comma-separated providers to measure (default tpp,numpy,torch)")
+    p.add_argument("--backend", choices=("cpu", "all"), default="cpu",
+                   help="where to run (only cpu exists so far)")
+    p.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
+                   help="what a sample's duration is: 'cpu' = this thread's CPU time (immune to "
+                        "being descheduled on a shared machine), 'wall' = elapsed time; 'auto' "
+                        "(default): cpu with --threads 1, wall otherwise")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip checking tpp's outputs against tpp.reference")
+    p.add_argument("--plain", action="store_true", help="plain-text tables even if rich is "
+                   "installed")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: tiny sizes
+    return p
+
+
+def pin_threads(threads: int) -> None:
+    """Set the thread-count variables before numpy/torch are imported (later has no effect on
+    their OpenMP/BLAS pools; torch is pinned again with torch.set_num_threads)."""
+    for var in THREAD_ENV:
+        os.environ[var] = str(threads)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _Exit as e:
+        return e.status
+
+    pin_threads(args.threads)
+
+    from . import suites as registry
+    from .records import fill_ratios, write_json
+
+    known = registry.load()
+    if args.list:
+        for s in known.values():
+            mark = "*" if s.default else " "
+            print(f"{mark} {s.name:<10} {s.help}")
+        print("  info       the machine, the selected target, library versions")
+        print("(* = in the default set)")
+        return 0
+
+    names = list(args.suites)
+    unknown = [n for n in names if n != "info" and n not in known]
+    if unknown:
+        try:
+            parser.error(f"unknown suite(s): {', '.join(unknown)}; known: info, "
+                         f"{', '.join(known)}")
+        except _Exit as e:
+            return e.status
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    bad = [p for p in providers if p not in ("tpp", "numpy", "torch")]
+    if bad or not providers:
+        try:
+            parser.error(f"unknown provider(s): {', '.join(bad) or '(none given)'}; "
+                         f"known: tpp, numpy, torch")
+        except _Exit as e:
+            return e.status
+
+    from . import info as sysinfo
+
+    if "info" in names:
+        details = sysinfo.collect()
+        sysinfo.render(details, file=sys.stderr if args.json == "-" else sys.stdout)
+        names = [n for n in names if n != "info"]
+        if not names:
+            if args.json:
+                import json
+                text = json.dumps(details, indent=1)
+                if args.json == "-":
+                    print(text)
+                else:
+                    with open(args.json, "w") as f:
+                        f.write(text + "\n")
+            return 0
+        print()
+
+    if not names:
+        names = registry.defaults()   # the quick default set: ~20 s on a 2-core Zen 3
+    clock = args.clock if args.clock != "auto" else ("cpu" if args.threads == 1 else "wall")
+    config = registry.Config(quick=args.quick, tiny=args.tiny, shapes=args.shapes,
+                             clock=clock,
+                             threads=args.threads, providers=providers, verify=args.verify,
+                             verbose=not args.quiet)
+    ctx = registry.Context(config)
+    t0 = time.perf_counter()
+    status = 0
+    for name in names:
+        try:
+            ctx.run(name)
+        except KeyboardInterrupt:
+            ctx.note(f"interrupted during {name}")
+            status = 130
+            break
+        except Exception as exc:  # noqa: BLE001 - report, keep what was measured
+            import traceback
+            traceback.print_exc(file=sys.stderr)
+            ctx.failed(f"suite {name} crashed", exc)
+            status = 1
+    fill_ratios(ctx.records)
+
+    details = sysinfo.collect()
+    mode = "tiny" if config.tiny else ("quick" if config.quick else "standard")
+    header = (f"tpp-bench | {sysinfo.summary_line(details)} | threads {config.threads} | "
+              f"{mode} | clock {clock} | {time.perf_counter() - t0:.0f} s")
+    from . import report
+    # with --json - the records go to stdout, so the table goes to stderr
+    report.render(ctx.records, ctx.notes, header=header, plain=args.plain,
+                  file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json:
+        try:
+            write_json(ctx.records, args.json)
+        except OSError as exc:
+            print(f"tpp-bench: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 1
+    return status

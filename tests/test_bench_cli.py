@@ -1,0 +1,190 @@
+"""tpp-bench's command line: usage errors, the --json record schema, tiny end-to-end runs.
+
+No speed is asserted anywhere: figures on a shared machine are not test material.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import cli, timing
+from bench.records import SCHEMA, Record, fill_ratios
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A private kernel cache, and the thread settings main() changes put back afterwards."""
+    monkeypatch.setenv("TPP_CACHE_DIR", str(tmp_path / "tpp-cache"))
+    for var in cli.THREAD_ENV:
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+        if not os.environ[var]:
+            monkeypatch.delenv(var)
+    from tpp_cpu import backend
+    backend.reset_disk_cache()
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    backend.reset_disk_cache()
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None:
+        torch.set_num_threads(threads)
+
+
+def _check_schema(records):
+    assert isinstance(records, list) and records
+    for r in records:
+        assert set(SCHEMA) <= set(r), f"missing fields {set(SCHEMA) - set(r)} in {r}"
+        for key, types in SCHEMA.items():
+            assert isinstance(r[key], types), f"{key}={r[key]!r} is not {types}"
+        assert r["backend"] == "cpu"
+        assert all(isinstance(d, int) for d in r["shape"])
+        for key in ("median", "p20", "p80"):
+            assert math.isfinite(r[key]) and r[key] > 0, r
+        assert r["p20"] <= r["median"] * (1 + 1e-9) and r["median"] <= r["p80"] * (1 + 1e-9), r
+        if r["metric"] == "bandwidth":
+            assert r["unit"] == "GB/s"
+        else:
+            assert r["metric"] == "time" and r["unit"] in ("us", "ms")
+            assert r["peak_fraction"] is None
+        for provider, ratio in r["ratios"].items():
+            assert isinstance(provider, str) and isinstance(ratio, float) and ratio > 0
+        if r["provider"] != "tpp":
+            assert r["ratios"] == {}
+
+
+# ------------------------------------------------------------------ usage errors
+@pytest.mark.parametrize("argv, message", [
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["no-such-suite"], "unknown suite"),
+    (["eltwise", "--shapes", "64by64"], "--shapes"),
+    (["eltwise", "--shapes", "0x64"], "--shapes"),
+    (["--threads", "0"], "--threads"),
+    (["--threads", "two"], "--threads"),
+    (["--providers", "tpp,matlab"], "unknown provider"),
+    (["--clock", "sundial"], "--clock"),
+])
+def test_usage_errors(argv, message, capsys):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "usage: tpp-bench" in err
+    assert message in err
+    assert out == ""
+
+
+def test_help_and_list(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "usage: tpp-bench" in capsys.readouterr().out
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("peak", "eltwise", "overhead", "jit", "info"):
+        assert name in out
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for word in ("cpu", "target", "numpy", "llvmlite", "cache dir"):
+        assert word in out
+    assert str(Path(os.environ["TPP_CACHE_DIR"])) in out
+
+
+# ------------------------------------------------------------------ tiny runs
+def test_tiny_run_json_schema(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    rc = cli.main(["peak", "eltwise", "overhead", "--tiny", "--shapes", "64x64", "-q",
+                   "--plain", "--json", str(path)])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "eltwise" in out and "overhead" in out
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    suites = {r["suite"] for r in records}
+    assert {"peak", "eltwise", "overhead"} <= suites
+    eltwise = [r for r in records if r["suite"] == "eltwise"]
+    assert {tuple(r["shape"]) for r in eltwise} == {(64, 64)}
+    assert {r["case"] for r in eltwise if r["provider"] == "numpy"} >= {"relu", "exp", "add_row"}
+    # the peak ran first, so every bandwidth figure has its fraction of it
+    assert all(r["peak_fraction"] is not None for r in eltwise)
+    for r in eltwise:
+        if r["provider"] == "tpp":
+            assert set(r["ratios"]) <= {"numpy", "torch"}
+            assert r["extra"]["path"] == "raw"
+    overhead = {(r["case"], r["provider"]) for r in records if r["suite"] == "overhead"}
+    assert ("call_raw", "cffi") in overhead
+
+
+def test_eltwise_alone_runs_peak_first(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert cli.main(["eltwise", "--tiny", "--shapes", "64x64", "--providers", "tpp,numpy",
+                     "-q", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    assert [r["suite"] for r in records][0] == "peak"
+    assert {r["provider"] for r in records} <= {"tpp", "numpy"}
+
+
+def test_tiny_jit(tmp_path, capsys):
+    path = tmp_path / "jit.json"
+    assert cli.main(["jit", "--tiny", "-q", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    cases = {r["case"] for r in records}
+    assert {"compile_cold/relu", "cache_load/relu"} <= cases
+    assert all(r["unit"] == "ms" for r in records)
+
+
+def test_python_dash_m(tmp_path):
+    env = dict(os.environ, TPP_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "bench", "overhead", "--tiny", "--plain",
+                           "--providers", "tpp", "--json", "-"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(proc.stdout)   # with --json - the table goes to stderr
+    _check_schema(records)
+    assert "overhead" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bench", "nope"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+# ------------------------------------------------------------------ the method
+def test_measure_statistics():
+    calls = []
+    stats = timing.measure(lambda k: calls.append(k), timing.Settings.for_mode(tiny=True))
+    assert stats.samples >= 3 and stats.calls_per_sample >= 1
+    assert stats.p20 <= stats.median <= stats.p80
+    assert calls and all(k >= 1 for k in calls)
+
+
+def test_measure_interleaved_reports_failures():
+    def broken(k):
+        raise RuntimeError("no")
+    res = timing.measure_interleaved({"ok": lambda k: None, "bad": broken},
+                                     timing.Settings.for_mode(tiny=True))
+    assert "ok" in res and "bad" not in res
+    assert isinstance(res["errors"]["bad"], RuntimeError)
+
+
+def test_quantile_and_rate():
+    assert timing.quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert timing.quantile([1.0, 2.0], 0.2) == pytest.approx(1.2)
+    s = timing.Stats(median=2.0, p20=1.0, p80=4.0, samples=3, calls_per_sample=1)
+    assert s.rate(8.0) == (4.0, 2.0, 8.0)   # a rate's p20 comes from the time's p80
+
+
+def test_ratios_follow_the_metric():
+    def rec(provider, metric, value):
+        return Record(suite="s", case="c", provider=provider, shape=[1], metric=metric,
+                      unit="GB/s" if metric == "bandwidth" else "us", median=value, p20=value,
+                      p80=value)
+    bw = [rec("tpp", "bandwidth", 30.0), rec("numpy", "bandwidth", 10.0)]
+    t = [rec("tpp", "time", 1.0), rec("numpy", "time", 4.0)]
+    fill_ratios(bw + t)
+    assert bw[0].ratios == {"numpy": pytest.approx(3.0)} and bw[1].ratios == {}
+    assert t[0].ratios == {"numpy": pytest.approx(4.0)}
