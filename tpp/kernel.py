@@ -129,18 +129,8 @@ class Kernel:
         ndarray, empty, from_buffer, may_share = np.ndarray, np.empty, arrays.ffi.from_buffer, \
             np.may_share_memory
         odt, oshape, _ = outs[0]
-
-        def output(out, inputs):
-            if out is None:
-                return empty(oshape, odt)
-            if type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
-                    or not out.flags.c_contiguous or not out.flags.writeable:
-                return None
-            for x in inputs:
-                if x is not out and may_share(x, out):
-                    return None
-            return out
-
+        # from_buffer raises BufferError for arrays that are not C-contiguous (and, with
+        # require_writable, for read-only ones): that is the contiguity check.
         if len(ins) == 1:
             (dt, shape), = ins
 
@@ -148,13 +138,19 @@ class Kernel:
                 if len(inputs) != 1:
                     return None
                 x, = inputs
-                if type(x) is ndarray and x.dtype == dt and x.shape == shape \
-                        and x.flags.c_contiguous:
-                    y = output(out, inputs)
-                    if y is not None:
-                        fn(from_buffer(x), from_buffer(y))
-                        return y
-                return None
+                if type(x) is not ndarray or x.dtype != dt or x.shape != shape:
+                    return None
+                try:
+                    px = from_buffer(x)
+                    if out is None:
+                        out = empty(oshape, odt)
+                    elif type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
+                            or (out is not x and may_share(x, out)):
+                        return None
+                    fn(px, from_buffer("char[]", out, True))
+                except (BufferError, ValueError):
+                    return None
+                return out
             return fast1
 
         (dt0, shape0), (dt1, shape1) = ins
@@ -163,14 +159,21 @@ class Kernel:
             if len(inputs) != 2:
                 return None
             a, b = inputs
-            if type(a) is ndarray and type(b) is ndarray and a.dtype == dt0 and b.dtype == dt1 \
-                    and a.shape == shape0 and b.shape == shape1 and a.flags.c_contiguous \
-                    and b.flags.c_contiguous:
-                y = output(out, inputs)
-                if y is not None:
-                    fn(from_buffer(a), from_buffer(b), from_buffer(y))
-                    return y
-            return None
+            if type(a) is not ndarray or type(b) is not ndarray or a.dtype != dt0 \
+                    or b.dtype != dt1 or a.shape != shape0 or b.shape != shape1:
+                return None
+            try:
+                pa, pb = from_buffer(a), from_buffer(b)
+                if out is None:
+                    out = empty(oshape, odt)
+                elif type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
+                        or (out is not a and may_share(a, out)) \
+                        or (out is not b and may_share(b, out)):
+                    return None
+                fn(pa, pb, from_buffer("char[]", out, True))
+            except (BufferError, ValueError):
+                return None
+            return out
         return fast2
 
     def _call_checked(self, inputs, out, mask, seed):
