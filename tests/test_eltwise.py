@@ -49,6 +49,10 @@ def test_unary_dtypes(case, dtype_in, dtype_out):
     op, params = case
     run_checked(tpp.unary(op, 7, 37, dtype_in=dtype_in, dtype_out=dtype_out, **params),
                 seed=_seed(op))
+    run_checked(tpp.unary(op, 1, 1, dtype_in=dtype_in, dtype_out=dtype_out, **params),
+                seed=_seed(op))
+    run_checked(tpp.unary(op, 17, 16, ldi=19, ldo=21, dtype_in=dtype_in, dtype_out=dtype_out,
+                          **params), pad_in=3, pad_out=5, seed=_seed(op))
 
 
 @pytest.mark.parametrize("case", [c for c in UNARY_MAP if c[0] != "zero"], ids=_id)
@@ -82,6 +86,9 @@ def test_binary_dtypes(op, dtype_in, dtype_out):
             pytest.skip("compare ops write a bitmask")
         dtype_out = None
     run_checked(tpp.binary(op, 6, 29, dtype_in0=dtype_in, dtype_in1=other, dtype_out=dtype_out))
+    run_checked(tpp.binary(op, 1, 1, dtype_in0=dtype_in, dtype_in1=dtype_in, dtype_out=dtype_out))
+    run_checked(tpp.binary(op, 17, 16, ldi0=18, ldi1=20, ldo=17, dtype_in0=other,
+                           dtype_in1=dtype_in, dtype_out=dtype_out), pad_in=2, pad_out=1)
 
 
 @pytest.mark.parametrize("op", BINARY)
