@@ -98,6 +98,8 @@ _CHILD = textwrap.dedent("""
     x = np.linspace(-5, 5, 13 * 29, dtype=np.float32).reshape(13, 29)
     want = tpp.reference.run(k.spec, x)
     np.testing.assert_allclose(k(x), want, rtol=1e-6, atol=1e-30)
+    if sys.argv[1] == "forbid-build" and backend.sharedlib.linker():
+        assert "llvmlite.binding" not in sys.modules, "a cache hit should not need LLVM"
     print("ok")
 """)
 

@@ -18,7 +18,7 @@ def sixteen_lanes(monkeypatch):
     host = target.make_target(target.host_isa())
     if host.lanes == 16:
         pytest.skip("this host runs the 16-lane code natively")
-    wide = target.Target("w16-on-" + host.isa, host.cpu, host.features, 16, False, True)
+    wide = target.Target("w16-on-" + host.isa, 16, True, host.host)
     monkeypatch.setattr(backend, "current", lambda: wide)
     return wide
 

@@ -1,12 +1,12 @@
 """The on-disk kernel cache: bytes stored under a text key, safely.
 
 Directory: `TPP_CACHE_DIR`, default `~/.cache/tpp`; `TPP_DISK_CACHE=0` turns the disk cache off.
-The directory is created owner-only (0700). An entry is one file named by the SHA-256 of its key;
-it holds a magic tag, the full key, the payload length and the payload's SHA-256. `load`
-returns None, so the caller rebuilds, for anything it cannot trust: a missing, truncated,
-corrupt or foreign entry (another key, another format), one not owned by this user, a symlink.
-`store` writes a temporary file and renames it into place, so readers never see half an entry
-and two processes storing the same key at once both succeed.
+The directory is created owner-only (0700). An entry is one file named by the SHA-256 of its key:
+the payload first, then the full key, then a trailer with a magic tag, the lengths and the
+payload's SHA-256. `load` returns None, so the caller rebuilds, for anything it cannot trust: a
+missing, truncated, corrupt or foreign entry (another key, another format), one not owned by
+this user, a symlink. `store` writes a temporary file and renames it into place, so readers
+never see half an entry and two processes storing the same key at once both succeed.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import struct
 import tempfile
 from pathlib import Path
 
-MAGIC = b"TPPKRN01"
-_HEADER = struct.Struct("<8sIQ32s")  # magic, key length, payload length, payload sha256
+MAGIC = b"TPPKRN02"
+_TRAILER = struct.Struct("<IQ32s8s")  # key length, payload length, payload sha256, magic
 
 
 def default_directory() -> Path | None:
-    if os.environ.get("TPP_DISK_CACHE", "1").strip() in ("0", "off", "false", "no"):
+    if os.environ.get("TPP_DISK_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
         return None
     configured = os.environ.get("TPP_CACHE_DIR")
     if configured:
@@ -56,6 +56,7 @@ class DiskCache:
         return self.directory / (hashlib.sha256(key.encode()).hexdigest() + ".tppk")
 
     def load(self, key: str) -> bytes | None:
+        """The payload stored under key, or None."""
         if not self._prepare():
             return None
         path = self.path_for(key)
@@ -75,16 +76,19 @@ class DiskCache:
             os.close(fd)
         return _decode(blob, key)
 
-    def store(self, key: str, payload: bytes) -> None:
+    def store(self, key: str, payload: bytes) -> Path | None:
+        """Store payload under key; returns the entry's path, or None if it could not be written."""
         if not self._prepare():
-            return
+            return None
         blob = _encode(key, payload)
         try:
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
-                os.replace(tmp, self.path_for(key))
+                path = self.path_for(key)
+                os.replace(tmp, path)
+                return path
             except BaseException:
                 try:
                     os.unlink(tmp)
@@ -92,25 +96,25 @@ class DiskCache:
                     pass
                 raise
         except OSError:
-            pass  # a full or read-only disk costs a recompile next time, nothing more
+            return None  # a full or read-only disk costs a recompile next time, nothing more
 
 
 def _encode(key: str, payload: bytes) -> bytes:
     kb = key.encode()
-    header = _HEADER.pack(MAGIC, len(kb), len(payload), hashlib.sha256(payload).digest())
-    return header + kb + payload
+    trailer = _TRAILER.pack(len(kb), len(payload), hashlib.sha256(payload).digest(), MAGIC)
+    return payload + kb + trailer
 
 
 def _decode(blob: bytes, key: str) -> bytes | None:
-    if len(blob) < _HEADER.size:
+    if len(blob) < _TRAILER.size:
         return None
-    magic, klen, plen, digest = _HEADER.unpack_from(blob)
+    klen, plen, digest, magic = _TRAILER.unpack_from(blob, len(blob) - _TRAILER.size)
     kb = key.encode()
-    if magic != MAGIC or klen != len(kb) or len(blob) != _HEADER.size + klen + plen:
+    if magic != MAGIC or klen != len(kb) or len(blob) != plen + klen + _TRAILER.size:
         return None
-    if blob[_HEADER.size:_HEADER.size + klen] != kb:
+    if blob[plen:plen + klen] != kb:
         return None
-    payload = blob[_HEADER.size + klen:]
+    payload = blob[:plen]
     if hashlib.sha256(payload).digest() != digest:
         return None
     return payload

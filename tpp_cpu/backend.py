@@ -1,9 +1,14 @@
-"""The CPU backend's runtime: spec -> generated IR -> object code (disk-cached) -> address.
+"""The CPU backend's runtime: spec -> generated IR -> machine code (disk-cached) -> address.
 
 `compile(spec)` returns a CompiledKernel whose `address` is a C function
 `void f(intptr_t operand0, ..., [int64 seed])` taking one pointer per operand of
 `spec.operands()`, in order. `TPP_DUMP=dir` writes each generated kernel's IR (before and after
 optimisation) and assembly to that directory when it is compiled.
+
+A kernel is compiled to a relocatable object, linked into a shared library when the system
+linker exists (`sharedlib`), stored in the disk cache and loaded with dlopen; a hit in a new
+process needs neither LLVM nor the linker. Without a linker, or without a disk cache,
+the object is loaded into LLVM's MCJIT engine instead.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from tpp.errors import UnsupportedError
 
 import importlib
 
-from . import jit
+from . import jit, sharedlib
 from .target import Target, current
 
 # op kind -> the generator module (imported on first use)
@@ -53,7 +58,20 @@ def generator_version() -> str:
 
 
 def cache_key(spec, target: Target) -> str:
-    return f"{spec.key()}|gen={generator_version()}|llvm={jit.llvm_version()}|{target.key()}"
+    return f"{spec.key()}|gen={generator_version()}|llvm={llvm_build()}|{target.key()}"
+
+
+@functools.lru_cache(maxsize=None)
+def llvm_build() -> str:
+    """Identifies the installed llvmlite (hence LLVM) without loading it: a hash of its
+    version file, cheap where importing llvmlite.binding costs tens of milliseconds."""
+    import importlib.util
+    spec = importlib.util.find_spec("llvmlite")
+    version_file = Path(spec.origin).parent / "_version.py"
+    try:
+        return hashlib.sha256(version_file.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return jit.llvm_version()
 
 
 def symbol_for(key: str) -> str:
@@ -88,11 +106,35 @@ def compile(spec, target: Target | None = None) -> CompiledKernel:
     key = cache_key(spec, target)
     symbol = symbol_for(key)
     disk = _disk()
-    obj = disk.load(key)
-    if obj is None:
+    address = _load_cached(disk, key, symbol, target)
+    if address is None:
         obj = build_object(spec, target, symbol)
-        disk.store(key, obj)
-    return CompiledKernel(spec, target, symbol, jit.load(obj, symbol, target), _n_scalars(spec))
+        library = sharedlib.link(obj) if disk.directory is not None else None
+        path = disk.store(key, library if library is not None else obj)
+        address = None
+        if library is not None and path is not None:
+            try:
+                address = sharedlib.load(library, symbol)
+            except OSError:
+                address = None
+        if address is None:
+            address = jit.load(obj, symbol, target)
+    return CompiledKernel(spec, target, symbol, address, _n_scalars(spec))
+
+
+def _load_cached(disk, key, symbol, target):
+    """The address of a verified cache entry's kernel, or None (rebuild)."""
+    payload = disk.load(key)
+    if payload is None:
+        return None
+    if sharedlib.is_shared(payload):
+        try:
+            return sharedlib.load(payload, symbol)
+        except OSError:
+            return None
+    if sharedlib.is_object(payload):
+        return jit.load(payload, symbol, target)
+    return None
 
 
 def build_object(spec, target: Target, symbol: str) -> bytes:

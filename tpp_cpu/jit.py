@@ -29,9 +29,11 @@ def llvm_version() -> str:
 
 @functools.lru_cache(maxsize=None)
 def target_machine(target):
-    b = llvm()
-    return b.Target.from_default_triple().create_target_machine(
-        cpu=target.cpu, features=target.features, opt=3, codemodel="jitdefault")
+    """Position-independent code, so an object can be linked into a shared library."""
+    from .target import llvm_cpu_and_features
+    cpu, features = llvm_cpu_and_features(target)
+    return llvm().Target.from_default_triple().create_target_machine(
+        cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
 
 
 def optimize(module_ir, target):

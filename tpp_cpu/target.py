@@ -1,14 +1,18 @@
 """The instruction set the CPU backend generates for.
 
-The host is read from LLVM (`get_host_cpu_name`, `get_host_cpu_features`). AVX-512 (16 f32
-lanes) is the primary path; hosts without it get AVX2 (8 lanes) from the same generators.
-`TPP_CPU_ISA=avx2` forces the AVX2 variant on any host; `TPP_CPU_ISA=avx512` generates AVX-512
-code even where the host cannot run it (for inspecting assembly; calling such a kernel on such a
-host is refused with UnsupportedError instead of crashing).
+AVX-512 (16 f32 lanes) is the primary path; hosts without it get AVX2 (8 lanes) from the same
+generators. `TPP_CPU_ISA=avx2` forces the AVX2 variant on any host; `TPP_CPU_ISA=avx512`
+generates AVX-512 code even where the host cannot run it (for inspecting assembly; calling such
+a kernel there is refused with UnsupportedError instead of crashing).
+
+Choosing a target needs no LLVM: the host's ISA and identity come from /proc/cpuinfo, so a
+process that only loads cached kernels never imports llvmlite. LLVM's own view of the host (CPU
+name and feature string) is read when code is generated (`llvm_cpu_and_features`).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -17,59 +21,92 @@ from tpp.errors import UnsupportedError
 
 @dataclass(frozen=True)
 class Target:
-    isa: str           # "avx512" or "avx2"
-    cpu: str           # LLVM cpu name
-    features: str      # LLVM feature string
-    lanes: int         # f32 lanes per vector register
-    bf16_dot: bool     # vdpbf16ps available
-    runnable: bool     # the host can execute this code
+    isa: str             # "avx512" or "avx2"
+    lanes: int           # f32 lanes per vector register
+    runnable: bool       # the host can execute this code
+    host: str            # fingerprint of the CPU the code is tuned for (part of cache keys)
+    cpu: str = "host"    # LLVM cpu name; "host": the host's, as LLVM detects it
+    features: str = ""   # LLVM features, appended to the host's when cpu == "host"
+    bf16_dot: bool = False   # vdpbf16ps available
 
     def key(self) -> str:
-        return f"{self.isa}|{self.cpu}|{self.features}"
-
-
-def _llvm():
-    from . import jit
-    return jit.llvm()
+        return f"{self.isa}|lanes={self.lanes}|cpu={self.cpu}|{self.features}|host={self.host}"
 
 
 @functools.lru_cache(maxsize=None)
+def host_cpu() -> tuple:
+    """(model name, frozenset of ISA flags) of the host, flags spelled without underscores
+    ("avx512bf16"), from /proc/cpuinfo, or from LLVM where that file does not exist."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read(1 << 16)
+    except OSError:
+        from . import jit
+        llvm = jit.llvm()
+        flags = {k for k, v in llvm.get_host_cpu_features().items() if v}
+        return llvm.get_host_cpu_name(), frozenset(flags)
+    model, flags = "unknown", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip()
+        elif key == "flags":
+            flags = {f.replace("_", "") for f in value.split()}
+            break
+    return model, frozenset(flags)
+
+
 def host_features() -> dict:
-    return dict(_llvm().get_host_cpu_features())
+    """LLVM's view of the host's features (imports LLVM)."""
+    from . import jit
+    return dict(jit.llvm().get_host_cpu_features())
 
 
 def host_isa() -> str:
-    feats = host_features()
-    if feats.get("avx512f") and feats.get("avx512bw") and feats.get("avx512vl"):
+    flags = host_cpu()[1]
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx512"
-    if feats.get("avx2") and feats.get("fma"):
+    if {"avx2", "fma"} <= flags:
         return "avx2"
     raise UnsupportedError("the CPU backend needs AVX2 with FMA or AVX-512; this host has neither")
 
 
 @functools.lru_cache(maxsize=None)
+def _fingerprint() -> str:
+    model, flags = host_cpu()
+    return hashlib.sha256((model + "|" + " ".join(sorted(flags))).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def make_target(isa: str) -> Target:
-    """The Target for an ISA: the host's own CPU when it has that ISA, else a generic one."""
-    llvm = _llvm()
+    """The Target for an ISA: the host's own CPU when it can run that ISA, else a generic one."""
     if isa not in ("avx512", "avx2"):
         raise UnsupportedError(f"TPP_CPU_ISA must be 'avx512', 'avx2' or 'auto', got {isa!r}")
     native = host_isa()
-    runnable = isa == native or (isa == "avx2" and native == "avx512")
-    feats = host_features()
+    flags = host_cpu()[1]
     if isa == native:
-        cpu = llvm.get_host_cpu_name()
-        features = llvm.get_host_cpu_features().flatten()
-    elif isa == "avx2":
-        cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten() + ",-avx512f"
-        feats = {"avx2": True}
-    else:  # AVX-512 code for a host that cannot run it: Zen 4, the design's reference machine
-        cpu, features = "znver4", ""
-        feats = {"avx512f": True, "avx512bf16": True}
-    lanes = 16 if isa == "avx512" else 8
-    return Target(isa, cpu, features, lanes, bool(feats.get("avx512bf16")), runnable)
+        return Target(isa, 16 if isa == "avx512" else 8, True, _fingerprint(),
+                      bf16_dot="avx512bf16" in flags)
+    if isa == "avx2":   # an AVX-512 host generating AVX2 code
+        return Target("avx2", 8, True, _fingerprint(), features="-avx512f")
+    # AVX-512 code for a host that cannot run it: Zen 4, the design's reference machine
+    return Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True)
 
 
 def current() -> Target:
     """The target selected by TPP_CPU_ISA (default: the best the host runs)."""
     isa = os.environ.get("TPP_CPU_ISA", "auto").strip().lower() or "auto"
     return make_target(host_isa() if isa == "auto" else isa)
+
+
+def llvm_cpu_and_features(target: Target) -> tuple:
+    """The (cpu, features) strings to give LLVM's target machine for this target."""
+    if target.cpu != "host":
+        return target.cpu, target.features
+    from . import jit
+    llvm = jit.llvm()
+    features = llvm.get_host_cpu_features().flatten()
+    if target.features:
+        features = f"{features},{target.features}"
+    return llvm.get_host_cpu_name(), features
