@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpp_cpu import backend as cpu_backend   # imports no LLVM: that happens on first compile
+
 from . import arrays
-from .errors import ArgumentError, UnsupportedError
+from .errors import ArgumentError
 
 _INPLACE_KINDS = ("map", "map_inv", "compare")
 
@@ -60,8 +62,7 @@ class Kernel:
 
     # ------------------------------------------------------------ compilation
     def _compiled(self, spec):
-        from tpp_cpu import backend
-        return backend.compile(spec)
+        return cpu_backend.compile(spec)
 
     def _signature(self, ctype: str) -> str:
         args = [ctype] * len(self._operands) + (["int64_t"] if self._needs_seed else [])
@@ -105,9 +106,9 @@ class Kernel:
     def dump(self, what: str = "asm", isa: str | None = None) -> str:
         """The generated code: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512" or
         "avx2" to see another target's code (default: the one that runs here)."""
-        from tpp_cpu import backend, target
+        from tpp_cpu import target
         tgt = target.current() if isa is None else target.make_target(isa)
-        return backend.dump(self.spec, what, tgt)
+        return cpu_backend.dump(self.spec, what, tgt)
 
     # ------------------------------------------------------------ calls
     def __call__(self, *inputs, out=None, mask=None, seed=None):

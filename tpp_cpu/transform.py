@@ -62,12 +62,13 @@ class _Mover:
                               [w + k - pos if pos <= k < pos + size else k for k in range(w)])
         return result
 
-    def store(self, value, base, offset, count=None):
-        """Store a vector; count < its width: only the first count elements."""
+    def store(self, value, base, offset, count=None, streaming=False):
+        """Store a vector; count < its width: only the first count elements. streaming: a full
+        vector is stored non-temporally (the address must be 16-byte aligned)."""
         b = self.b
         w = value.type.count
         if count is None or count >= w or self.use_masks:
-            irx.store_vec(b, value, base, offset, count)
+            irx.store_vec(b, value, base, offset, count, streaming=streaming)
             return
         undef = ir.Constant(value.type, ir.Undefined)
         for pos, size in _pieces(count):
@@ -191,42 +192,176 @@ def transpose_tile(b, rows, group):
     return order
 
 
+# Tuning of large transposes (see _transpose); module-level so experiments can change them.
+SMALL_BYTES = 128 << 10      # blocks up to this (input + output bytes) keep the plain loop
+BLOCK_ROWS = 64              # input rows per cache block (output columns)
+BLOCK_COLS = 64              # input columns per cache block (output rows)
+LINE = 64                    # cache line bytes
+STREAM_BYTES = 16 << 20      # outputs this big use non-temporal stores (when aligned)
+ORDER = "rows"
+BLOCK_ORDER = "ij"
+NT_WIDE = True
+INTERLEAVE = True
+PF_OUT = PF_IN = 0
+PF_LOC = 3
+EXP_NOLOAD = EXP_NOSTORE = False
+
+
+def _store_nt(b, value, base, offset, align):
+    ptr = irx.element_ptr(b, base, offset, value.type.element)
+    flag = b.module.add_metadata([ir.Constant(I32, 1)])
+    b.store(value, ptr, align=align).set_metadata("nontemporal", flag)
+
+
+def _prefetch(b, base, offset, ety, write, locality=3):
+    ptr = irx.element_ptr(b, base, offset, ety)
+    irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, write), ir.Constant(I32, locality),
+             ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[irx.PTR])
+
+
 def _transpose(b, spec, mv, src, dst):
     m, n, ldi, ldo = spec.m, spec.n, spec.ldi, spec.ldo
     w = mv.w
+    size = mv.ety.width // 8
     zero = irx.const(vec(mv.ety, w), 0)
 
-    def tile(i0, j0, rcount, ccount):
-        """Input rows [i0, i0+rcount), columns [j0, j0+ccount) -> output rows j0.., columns i0.."""
+    def load_tile(i0, j0, rcount, ccount):
         cnt = None if ccount == w else ccount
         rows = []
         for r in range(w):
             if r < rcount:
                 off = b.add(b.mul(b.add(i0, i64(r)), i64(ldi)), j0)
+                if EXP_NOLOAD:
+                    off = b.add(b.and_(off, i64(255)), i64(r * 64))
                 rows.append(mv.load(src, off, w, cnt))
             else:
                 rows.append(zero)
-        cols = transpose_tile(b, rows, mv.group)
+        return transpose_tile(b, rows, mv.group)
+
+    def store_col(col, i0, j0, c, rcount, streaming):
         rcnt = None if rcount == w else rcount
+        off = b.add(b.mul(b.add(j0, i64(c)), i64(ldo)), i0)
+        if EXP_NOSTORE:
+            off = i64(c * 64)
+            streaming = False
+        if streaming and NT_WIDE:
+            _store_nt(b, col, dst, off, w * size)
+        else:
+            mv.store(col, dst, off, rcnt, streaming)
+
+    def tile(i0, j0, rcount, ccount, streaming=False):
+        """Input rows [i0, i0+rcount), columns [j0, j0+ccount) -> output rows j0.., columns i0.."""
+        cols = load_tile(i0, j0, rcount, ccount)
         for c in range(ccount):
-            off = b.add(b.mul(b.add(j0, i64(c)), i64(ldo)), i0)
-            mv.store(cols[c], dst, off, rcnt)
+            store_col(cols[c], i0, j0, c, rcount, streaming)
+
+    def group(i0, j0, streaming):
+        """vt tiles stacked along i: each output row gets a cache line."""
+        if not INTERLEAVE or vt == 1:
+            for v in range(vt):
+                tile(b.add(i0, i64(v * w)), j0, w, w, streaming)
+            return
+        if PF_OUT:
+            for c in range(w):
+                off = b.add(b.mul(b.add(j0, i64(c + PF_OUT)), i64(ldo)), i0)
+                _prefetch(b, dst, off, mv.ety, 1, PF_LOC)
+        if PF_IN:
+            for r in range(gi):
+                off = b.add(b.mul(b.add(i0, i64(r)), i64(ldi)), b.add(j0, i64(PF_IN)))
+                _prefetch(b, src, off, mv.ety, 0, PF_LOC)
+        starts = [b.add(i0, i64(v * w)) for v in range(vt)]
+        tiles = [load_tile(s, j0, w, w) for s in starts]
+        for c in range(w):
+            for v in range(vt):
+                store_col(tiles[v][c], starts[v], j0, c, w, streaming)
 
     full_i, tail_i = divmod(m, w)
     full_j, tail_j = divmod(n, w)
+    fi, fj = full_i * w, full_j * w
+    line = LINE // size                              # elements per cache line
+    vt = max(1, line // w)                           # tiles per group, stacked along i
+    gi = vt * w                                      # rows per group: a line of each output row
 
     def row_of_tiles(i0, rcount):
         if full_j:
-            with irx.for_range(b, full_j * w, step=w, name="tj") as j0:
+            with irx.for_range(b, fj, step=w, name="tj") as j0:
                 tile(i0, j0, rcount, w)
         if tail_j:
-            tile(i0, i64(full_j * w), rcount, tail_j)
+            tile(i0, i64(fj), rcount, tail_j)
 
-    if full_i:
-        with irx.for_range(b, full_i * w, step=w, name="ti") as i0:
-            row_of_tiles(i0, w)
+    small = m * n * size * 2 <= SMALL_BYTES or fi < 2 * gi or not full_j
+    if small:
+        if full_i:
+            with irx.for_range(b, fi, step=w, name="ti") as i0:
+                row_of_tiles(i0, w)
+        if tail_i:
+            row_of_tiles(i64(fi), tail_i)
+        return
+
+    bi = max(gi, BLOCK_ROWS // gi * gi)
+    bj = max(w, BLOCK_COLS // w * w)
+
+    def smin(x, limit):
+        return b.select(b.icmp_signed("<", x, limit), x, limit)
+
+    def group_strip(i0, streaming):
+        with irx.for_range(b, fj, step=w, name="gj") as j0:
+            group(i0, j0, streaming)
+
+    def blocked(start, stop, streaming):
+        """Rows [start, stop) (a whole number of groups) x columns [0, fj), in blocks."""
+        def block(ib, jb):
+            i_end = smin(b.add(ib, i64(bi)), stop)
+            j_end = smin(b.add(jb, i64(bj)), i64(fj))
+            if ORDER == "rows":
+                with irx.for_range(b, i_end, step=gi, start=ib, name="si") as i0:
+                    with irx.for_range(b, j_end, step=w, start=jb, name="sj") as j0:
+                        group(i0, j0, streaming)
+            else:
+                with irx.for_range(b, j_end, step=w, start=jb, name="sj") as j0:
+                    with irx.for_range(b, i_end, step=gi, start=ib, name="si") as i0:
+                        group(i0, j0, streaming)
+        if BLOCK_ORDER == "ij":
+            with irx.for_range(b, stop, step=bi, start=start, name="bi") as ib:
+                with irx.for_range(b, fj, step=bj, name="bj") as jb:
+                    block(ib, jb)
+        else:
+            with irx.for_range(b, fj, step=bj, name="bj") as jb:
+                with irx.for_range(b, stop, step=bi, start=start, name="bi") as ib:
+                    block(ib, jb)
+
+    def aligned_rows(streaming):
+        """Full tiles, with the group rows shifted so that every group writes whole cache lines of
+        the output (all output rows share the phase when ldo is a multiple of a line): rows
+        [h, stop) in blocks, and the rows before h and after stop as one overlapping group each
+        (rewriting the same values with ordinary stores)."""
+        addr = b.ptrtoint(dst, I64)
+        h = b.lshr(b.and_(b.sub(i64(0), addr), i64(LINE - 1)), i64(size.bit_length() - 1))
+        stop = b.add(h, b.mul(b.udiv(b.sub(i64(fi), h), i64(gi)), i64(gi)))
+        with b.if_then(b.icmp_unsigned("!=", h, i64(0))):
+            group_strip(i64(0), False)
+        blocked(h, stop, streaming)
+        with b.if_then(b.icmp_unsigned("!=", stop, i64(fi))):
+            group_strip(i64(fi - gi), False)
+
+    stream = n * ldo * size >= STREAM_BYTES and (ldo * size) % LINE == 0
+    if stream:
+        addr = b.ptrtoint(dst, I64)
+        ok = b.icmp_unsigned("==", b.and_(addr, i64(size - 1)), i64(0))
+        with b.if_else(ok) as (then, otherwise):
+            with then:
+                aligned_rows(True)
+                irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
+            with otherwise:
+                aligned_rows(False)
+    else:
+        aligned_rows(False)
+    # the right edge (columns past fj) and the bottom edge (rows past fi)
+    if tail_j:
+        with irx.for_range(b, fi, step=w, name="ei") as i0:
+            tile(i0, i64(fj), w, tail_j)
     if tail_i:
-        row_of_tiles(i64(full_i * w), tail_i)
+        row_of_tiles(i64(fi), tail_i)
 
 
 # ---------------------------------------------------------------- vnni2
