@@ -2,6 +2,7 @@
 scatter_rows) against tpp.reference: values for reductions, bits for the movers, and nothing
 written outside the output block."""
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -240,6 +241,95 @@ def test_transpose_edge_tiles(dtype):
         _run_mover("transpose", m, n, dtype, pad_in=1, pad_out=2)
 
 
+def _run_strided(op, m, n, dtype, ldi, ldo, shift=0):
+    """Run a mover on views with the given row pitches, the output starting `shift` elements
+    into its rows (another phase against cache lines and 16-byte boundaries); check the bits
+    against the reference and that nothing outside the output was written."""
+    k = tpp.unary(op, m, n, dtype_in=dtype)
+    ops = k.spec.operands()
+    (in_rows, in_cols), (out_rows, out_cols) = [(o.rows, o.cols) for o in (ops[0], ops[-1])]
+    assert ldi >= in_cols and ldo >= out_cols + shift
+    x = _random_bits((in_rows, in_cols), dtype)
+    xv = _padded(x, ldi - in_cols)
+    size = np.dtype(_np(dtype)).itemsize
+    big = np.full((out_rows + 2, ldo), 0x7E57 if size == 2 else 0x7E577E57, _UINT[size])
+    out = big[1:out_rows + 1, shift:shift + out_cols].view(_np(dtype))
+    before = big.copy()
+    k(xv, out=out)
+    want = tpp.reference.run(k.spec, x)
+    if not np.array_equal(_bits(out), _bits(want)):
+        bad = np.argwhere(_bits(out) != _bits(want))
+        raise AssertionError(f"{op} {dtype} {m}x{n}: {len(bad)} elements differ, first at "
+                             f"{bad[:4].tolist()}")
+    mask = np.ones(big.shape, bool)
+    mask[1:out_rows + 1, shift:shift + out_cols] = False
+    assert np.array_equal(big[mask], before[mask]), "the kernel wrote outside the output block"
+
+
+# Cache-blocked transposes: blocks of 64 input columns by 256 bytes of output row (64 f32 /
+# 128 16-bit elements) go through stack buffers; whole tiles outside the blocks, and the
+# partial edge tiles, are done directly. Blocks are used for footprints above 256 KiB when a
+# row pitch is a multiple of 512 bytes, above 32 MiB always, and for outputs of 16 MiB or more
+# (then with non-temporal stores when the output rows are 16-byte aligned, as whole vectors
+# when ldo is a multiple of a cache line). No shape below is a multiple of the block or tile
+# sizes.
+BLOCKED = [   # (dtype, m, n, ldi, ldo)
+    ("f32", 517, 701, 768, 522),       # input pitch 3 KiB
+    ("bf16", 1000, 555, 560, 1024),    # output pitch 2 KiB
+    ("f16", 300, 1100, 1280, 306),
+    ("f32", 1500, 150, 151, 1536),     # two block columns and a partial one
+]
+
+
+@pytest.mark.parametrize("case", BLOCKED, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
+def test_transpose_cache_blocked(case):
+    dtype, m, n, ldi, ldo = case
+    _run_strided("transpose", m, n, dtype, ldi, ldo)
+    _run_strided("transpose", m, n, dtype, ldi, ldo, shift=5)
+
+
+# outputs of 16 MiB and more: (dtype, m, n, ldo); the output shifted by 0 or 1 element
+STREAMED = [
+    ("f32", 2053, 2051, 2064),    # ldo a multiple of a line: whole-vector streaming stores
+    ("bf16", 2900, 2901, 2904),   # ldo a multiple of 16 bytes only: 16-byte pieces
+]
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("case", STREAMED, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}")
+def test_transpose_streaming(case, shift):
+    """With shift=1 the bf16 output is not 16-byte aligned, so the kernel takes its
+    ordinary-store copy; the f32 one streams with the blocks moved to the new phase."""
+    dtype, m, n, ldo = case
+    _run_strided("transpose", m, n, dtype, n + 3, ldo, shift)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("op", ["vnni2", "vnni2_inv"])
+def test_vnni2_streaming(op, shift):
+    """Outputs of 16 MiB and more with 16-byte aligned rows are written non-temporally (an odd
+    m, column tails); shifted by one element they are not aligned and take ordinary stores."""
+    m, n = 4099, 2051
+    if op == "vnni2":
+        _run_strided(op, m, n, "bf16", n + 1, 2 * n + 2, shift)
+    else:
+        _run_strided(op, m, n, "bf16", 2 * n + 1, n + 5, shift)
+
+
+def test_transpose_blocked_with_sixteen_lanes(monkeypatch):
+    """The cache-blocked and streaming code of the AVX-512 variant (16 f32 / 32 16-bit lanes),
+    compiled for this host when it has no AVX-512 (LLVM splits the vectors)."""
+    from tpp_cpu import backend, target
+    host = target.make_target(target.host_isa())
+    if host.lanes == 16:
+        pytest.skip("this host runs the 16-lane code natively")
+    wide = target.Target("w16-on-" + host.isa, 16, True, host.host)
+    monkeypatch.setattr(backend, "current", lambda: wide)
+    _run_strided("transpose", 517, 701, "f32", 768, 520, shift=3)
+    _run_strided("transpose", 700, 555, "bf16", 560, 1024)
+    _run_strided("transpose", 2053, 2051, "f32", 2051, 2064, shift=1)
+
+
 def test_transpose_round_trip_and_public_allocation():
     x = _random_bits((37, 53), "bf16")
     t = tpp.unary("transpose", 37, 53, dtype_in="bf16")(x)
@@ -308,6 +398,17 @@ def test_transpose_is_a_register_tile_shuffle_network():
     assert "vmovss" not in asm and "vextractps" not in asm     # no element-by-element moves
     asm16 = tpp.unary("transpose", 64, 64, dtype_in="bf16").dump("asm", isa="avx2")
     assert "vpunpcklwd" in asm16 and "pextrw" not in asm16 and "pinsrw" not in asm16
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_large_transpose_streams_and_prefetches(isa):
+    """A 4096 x 4096 transpose: cache blocks that prefetch the next block's input, and
+    non-temporal stores fenced at the end."""
+    for dtype in ("f32", "bf16"):
+        asm = tpp.unary("transpose", 4096, 4096, dtype_in=dtype).dump("asm", isa=isa)
+        assert re.search(r"vmovnt(ps|dq)\s+%[yz]mm", asm), "no whole-vector streaming store"
+        assert "sfence" in asm and "prefetcht0" in asm
+        assert ("zmm" in asm) == (isa == "avx512")
 
 
 def test_reductions_are_vectorised():

@@ -16,9 +16,17 @@ unpack / 128-bit-lane-swap network), and stored as w rows of the (n, m) output. 
 loops; the right and bottom edge tiles are emitted straight-line with partial loads (missing
 rows are zero vectors) and partial stores.
 
+Large transposes go through cache blocks (see _transpose): walking whole rows of tiles writes
+each output row a few bytes at a time, and at row pitches that are multiples of a large power of
+two those writes keep landing in the same cache sets and DRAM banks (4096 x 4096 f32 ran at
+about 6 GB/s). Blocks of 64 input columns by 256 bytes of output row are transposed into a
+stack buffer and copied out as runs of 256 bytes per output row, overlapped with the next
+block, with non-temporal stores for outputs much bigger than the caches.
+
 vnni2: output row r is input rows 2r and 2r+1 interleaved element by element; a chunk of w
 columns of both rows becomes one shufflevector of 2w elements (an odd last row pairs with a zero
-vector). vnni2_inv de-interleaves the same way.
+vector). vnni2_inv de-interleaves the same way. Both write outputs much bigger than the caches
+with non-temporal stores when the rows are 16-byte aligned.
 
 gather_rows / scatter_rows: a loop over the m index entries copies one row each with full
 vector moves and a partial tail. Indices are used as given (no bounds check here; scatter with
@@ -63,8 +71,8 @@ class _Mover:
         return result
 
     def store(self, value, base, offset, count=None, streaming=False):
-        """Store a vector; count < its width: only the first count elements. streaming: a full
-        vector is stored non-temporally (the address must be 16-byte aligned)."""
+        """Store a vector; count < its width: only the first count elements. streaming: a whole
+        vector is stored non-temporally (16-byte pieces: the address must be 16-byte aligned)."""
         b = self.b
         w = value.type.count
         if count is None or count >= w or self.use_masks:
@@ -192,31 +200,29 @@ def transpose_tile(b, rows, group):
     return order
 
 
-# Tuning of large transposes (see _transpose); module-level so experiments can change them.
-SMALL_BYTES = 128 << 10      # blocks up to this (input + output bytes) keep the plain loop
-BLOCK_ROWS = 64              # input rows per cache block (output columns)
-BLOCK_COLS = 64              # input columns per cache block (output rows)
+# Tuning of large blocks (measured on Zen 3; see _transpose and _with_streaming).
 LINE = 64                    # cache line bytes
-STREAM_BYTES = 16 << 20      # outputs this big use non-temporal stores (when aligned)
-ORDER = "rows"
-BLOCK_ORDER = "ij"
-NT_WIDE = True
-INTERLEAVE = True
-PF_OUT = PF_IN = 0
-PF_LOC = 3
-EXP_NOLOAD = EXP_NOSTORE = False
+BLOCK_BYTES = 256            # a cache block: this many bytes of each output row (input rows)
+BLOCK_COLS = 64              # and this many elements of each input row (output rows)
+STREAM_BYTES = 16 << 20      # outputs this big are written with non-temporal stores
+SMALL_BYTES = 256 << 10      # input + output bytes up to which the plain tile loop is used
+LARGE_BYTES = 32 << 20       # input + output bytes from which cache blocks are always used
+BAD_PITCH = 512              # row pitches that are multiples of this thrash the plain loop
 
 
-def _store_nt(b, value, base, offset, align):
+def _prefetch(b, base, offset, ety):
+    """Prefetch (for reading, into all cache levels) the line holding base[offset]."""
+    ptr = irx.element_ptr(b, base, offset, ety)
+    irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, 0), ir.Constant(I32, 3),
+             ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[irx.PTR])
+
+
+def _store_nt(b, value, base, offset):
+    """A non-temporal store of a whole vector; the address must be aligned to its size."""
     ptr = irx.element_ptr(b, base, offset, value.type.element)
     flag = b.module.add_metadata([ir.Constant(I32, 1)])
-    b.store(value, ptr, align=align).set_metadata("nontemporal", flag)
-
-
-def _prefetch(b, base, offset, ety, write, locality=3):
-    ptr = irx.element_ptr(b, base, offset, ety)
-    irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, write), ir.Constant(I32, locality),
-             ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[irx.PTR])
+    nbytes = value.type.count * value.type.element.width // 8
+    b.store(value, ptr, align=nbytes).set_metadata("nontemporal", flag)
 
 
 def _transpose(b, spec, mv, src, dst):
@@ -226,61 +232,30 @@ def _transpose(b, spec, mv, src, dst):
     zero = irx.const(vec(mv.ety, w), 0)
 
     def load_tile(i0, j0, rcount, ccount):
+        """Input rows [i0, i0+rcount), columns [j0, j0+ccount), transposed: the w columns."""
         cnt = None if ccount == w else ccount
         rows = []
         for r in range(w):
             if r < rcount:
                 off = b.add(b.mul(b.add(i0, i64(r)), i64(ldi)), j0)
-                if EXP_NOLOAD:
-                    off = b.add(b.and_(off, i64(255)), i64(r * 64))
                 rows.append(mv.load(src, off, w, cnt))
             else:
                 rows.append(zero)
         return transpose_tile(b, rows, mv.group)
 
-    def store_col(col, i0, j0, c, rcount, streaming):
-        rcnt = None if rcount == w else rcount
+    def store_col(col, i0, j0, c, rcount):
         off = b.add(b.mul(b.add(j0, i64(c)), i64(ldo)), i0)
-        if EXP_NOSTORE:
-            off = i64(c * 64)
-            streaming = False
-        if streaming and NT_WIDE:
-            _store_nt(b, col, dst, off, w * size)
-        else:
-            mv.store(col, dst, off, rcnt, streaming)
+        mv.store(col, dst, off, None if rcount == w else rcount)
 
-    def tile(i0, j0, rcount, ccount, streaming=False):
+    def tile(i0, j0, rcount, ccount):
         """Input rows [i0, i0+rcount), columns [j0, j0+ccount) -> output rows j0.., columns i0.."""
         cols = load_tile(i0, j0, rcount, ccount)
         for c in range(ccount):
-            store_col(cols[c], i0, j0, c, rcount, streaming)
-
-    def group(i0, j0, streaming):
-        """vt tiles stacked along i: each output row gets a cache line."""
-        if not INTERLEAVE or vt == 1:
-            for v in range(vt):
-                tile(b.add(i0, i64(v * w)), j0, w, w, streaming)
-            return
-        if PF_OUT:
-            for c in range(w):
-                off = b.add(b.mul(b.add(j0, i64(c + PF_OUT)), i64(ldo)), i0)
-                _prefetch(b, dst, off, mv.ety, 1, PF_LOC)
-        if PF_IN:
-            for r in range(gi):
-                off = b.add(b.mul(b.add(i0, i64(r)), i64(ldi)), b.add(j0, i64(PF_IN)))
-                _prefetch(b, src, off, mv.ety, 0, PF_LOC)
-        starts = [b.add(i0, i64(v * w)) for v in range(vt)]
-        tiles = [load_tile(s, j0, w, w) for s in starts]
-        for c in range(w):
-            for v in range(vt):
-                store_col(tiles[v][c], starts[v], j0, c, w, streaming)
+            store_col(cols[c], i0, j0, c, rcount)
 
     full_i, tail_i = divmod(m, w)
     full_j, tail_j = divmod(n, w)
     fi, fj = full_i * w, full_j * w
-    line = LINE // size                              # elements per cache line
-    vt = max(1, line // w)                           # tiles per group, stacked along i
-    gi = vt * w                                      # rows per group: a line of each output row
 
     def row_of_tiles(i0, rcount):
         if full_j:
@@ -289,79 +264,143 @@ def _transpose(b, spec, mv, src, dst):
         if tail_j:
             tile(i0, i64(fj), rcount, tail_j)
 
-    small = m * n * size * 2 <= SMALL_BYTES or fi < 2 * gi or not full_j
-    if small:
+    def edges():
+        """The right edge (columns past fj) of the full rows, then the bottom rows past fi."""
+        if tail_j and full_i:
+            with irx.for_range(b, fi, step=w, name="ei") as i0:
+                tile(i0, i64(fj), w, tail_j)
+        if tail_i:
+            row_of_tiles(i64(fi), tail_i)
+
+    line = LINE // size                         # elements per cache line
+    unit = max(line, w)
+    bi = max(unit, BLOCK_BYTES // size // unit * unit)  # block rows: whole tiles and lines
+    bj = max(w, BLOCK_COLS // w * w)                    # block columns: whole tiles
+    nbj = fj // bj
+    # Non-temporal stores for outputs far bigger than the caches, if the rows are 16-byte
+    # aligned (the pointer is checked at run time); as whole aligned vectors when ldo is a
+    # multiple of a line (see h below), else as 16-byte pieces. Cache blocks for those, for
+    # footprints beyond the caches, and where a pitch that is a multiple of BAD_PITCH makes
+    # the rows of tiles thrash a few cache sets; else (the plain loop is faster on benign
+    # pitches while the data stays in the caches) rows of tiles.
+    out_bytes = n * ldo * size
+    streams = out_bytes >= STREAM_BYTES and (ldo * size) % irx.STREAM_PIECE == 0
+    wide = streams and (ldo * size) % LINE == 0
+    footprint = m * n * size * 2
+    bad_pitch = (ldi * size) % BAD_PITCH == 0 or (ldo * size) % BAD_PITCH == 0
+    blocked = streams or footprint > LARGE_BYTES or (footprint > SMALL_BYTES and bad_pitch)
+    if not blocked or fi < bi + unit or not nbj:
         if full_i:
             with irx.for_range(b, fi, step=w, name="ti") as i0:
                 row_of_tiles(i0, w)
-        if tail_i:
-            row_of_tiles(i64(fi), tail_i)
+        edges()
         return
 
-    bi = max(gi, BLOCK_ROWS // gi * gi)
-    bj = max(w, BLOCK_COLS // w * w)
+    # Cache blocks: bi x bj blocks of full tiles, in row-major block order, through two stack
+    # buffers of bj rows x bp elements (rows padded by a line against cache-set conflicts).
+    # While the tiles of block k are transposed into one buffer (each tile also prefetches its
+    # rows of the next block), block k-1 is copied from the other buffer to its bj output
+    # rows, each row one run of bi elements: input and output move in runs of 128 or 256
+    # bytes per row rather than a half or whole cache line per row. The buffers take 40 KiB.
+    bp = bi + line
+    with b.goto_entry_block():
+        slot = b.alloca(ir.ArrayType(mv.ety, 2 * bj * bp))
+        slot.align = LINE
+        slot.type = irx.PTR          # llvmlite types allocas; the module uses opaque pointers
+    buf = slot
+    vpr = bi // w                    # vectors per buffer row
+    tpr = bj // w                    # tiles per block row
+    ntiles = (bi // w) * tpr
 
-    def smin(x, limit):
-        return b.select(b.icmp_signed("<", x, limit), x, limit)
+    # The blocks start at input row h, chosen so that the output runs start on a cache line
+    # (all of them when ldo is a multiple of a line: the whole-vector streaming stores then
+    # only need an element-aligned pointer).
+    addr = b.ptrtoint(dst, I64)
+    h = b.lshr(b.and_(b.sub(i64(0), addr), i64(LINE - 1)), i64(size.bit_length() - 1))
+    nbi = b.udiv(b.sub(i64(fi), h), i64(bi))
+    total = b.mul(nbi, i64(nbj))
+    rows_end = b.add(h, b.mul(nbi, i64(bi)))
+    if streams:
+        align = size if wide else irx.STREAM_PIECE
+        nt = b.icmp_unsigned("==", b.and_(addr, i64(align - 1)), i64(0))
 
-    def group_strip(i0, streaming):
-        with irx.for_range(b, fj, step=w, name="gj") as j0:
-            group(i0, j0, streaming)
+    def origin(k):
+        return (b.add(h, b.mul(b.udiv(k, i64(nbj)), i64(bi))),
+                b.mul(b.urem(k, i64(nbj)), i64(bj)))
 
-    def blocked(start, stop, streaming):
-        """Rows [start, stop) (a whole number of groups) x columns [0, fj), in blocks."""
-        def block(ib, jb):
-            i_end = smin(b.add(ib, i64(bi)), stop)
-            j_end = smin(b.add(jb, i64(bj)), i64(fj))
-            if ORDER == "rows":
-                with irx.for_range(b, i_end, step=gi, start=ib, name="si") as i0:
-                    with irx.for_range(b, j_end, step=w, start=jb, name="sj") as j0:
-                        group(i0, j0, streaming)
-            else:
-                with irx.for_range(b, j_end, step=w, start=jb, name="sj") as j0:
-                    with irx.for_range(b, i_end, step=gi, start=ib, name="si") as i0:
-                        group(i0, j0, streaming)
-        if BLOCK_ORDER == "ij":
-            with irx.for_range(b, stop, step=bi, start=start, name="bi") as ib:
-                with irx.for_range(b, fj, step=bj, name="bj") as jb:
-                    block(ib, jb)
-        else:
-            with irx.for_range(b, fj, step=bj, name="bj") as jb:
-                with irx.for_range(b, stop, step=bi, start=start, name="bi") as ib:
-                    block(ib, jb)
+    def half(k):
+        return b.mul(b.and_(k, i64(1)), i64(bj * bp))
 
-    def aligned_rows(streaming):
-        """Full tiles, with the group rows shifted so that every group writes whole cache lines of
-        the output (all output rows share the phase when ldo is a multiple of a line): rows
-        [h, stop) in blocks, and the rows before h and after stop as one overlapping group each
-        (rewriting the same values with ordinary stores)."""
-        addr = b.ptrtoint(dst, I64)
-        h = b.lshr(b.and_(b.sub(i64(0), addr), i64(LINE - 1)), i64(size.bit_length() - 1))
-        stop = b.add(h, b.mul(b.udiv(b.sub(i64(fi), h), i64(gi)), i64(gi)))
-        with b.if_then(b.icmp_unsigned("!=", h, i64(0))):
-            group_strip(i64(0), False)
-        blocked(h, stop, streaming)
-        with b.if_then(b.icmp_unsigned("!=", stop, i64(fi))):
-            group_strip(i64(fi - gi), False)
+    def put_tile(k, t):
+        """Tile t (row-major) of block k into its buffer, transposed."""
+        ib, jb = origin(k)
+        s_, jt = b.udiv(t, i64(tpr)), b.urem(t, i64(tpr))
+        i0 = b.add(ib, b.mul(s_, i64(w)))
+        j0 = b.add(jb, b.mul(jt, i64(w)))
+        for r in range(w):
+            off = b.add(b.mul(b.add(i0, i64(r)), i64(ldi)), b.add(j0, i64(bj)))
+            _prefetch(b, src, off, mv.ety)
+        cols = load_tile(i0, j0, w, w)
+        boff = b.add(half(k), b.add(b.mul(jt, i64(w * bp)), b.mul(s_, i64(w))))
+        for c in range(w):
+            ptr = irx.element_ptr(b, buf, b.add(boff, i64(c * bp)), mv.ety)
+            b.store(cols[c], ptr, align=w * size)
 
-    stream = n * ldo * size >= STREAM_BYTES and (ldo * size) % LINE == 0
-    if stream:
-        addr = b.ptrtoint(dst, I64)
-        ok = b.icmp_unsigned("==", b.and_(addr, i64(size - 1)), i64(0))
-        with b.if_else(ok) as (then, otherwise):
+    def copy_out(k, q0):
+        """Vectors q0 .. q0+w-1 of block k's buffer (row-major) to the output."""
+        ib, jb = origin(k)
+        moves = []
+        for u in range(w):
+            q = b.add(q0, i64(u))
+            c, v = b.udiv(q, i64(vpr)), b.mul(b.urem(q, i64(vpr)), i64(w))
+            ptr = irx.element_ptr(b, buf, b.add(half(k), b.add(b.mul(c, i64(bp)), v)), mv.ety)
+            moves.append((b.load(ptr, typ=vec(mv.ety, w), align=w * size),
+                          b.add(b.mul(b.add(jb, c), i64(ldo)), b.add(ib, v))))
+        if not streams:
+            for x, off in moves:
+                mv.store(x, dst, off)
+            return
+        with b.if_else(nt) as (then, otherwise):
             with then:
-                aligned_rows(True)
-                irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
+                for x, off in moves:
+                    if wide:
+                        _store_nt(b, x, dst, off)
+                    else:
+                        mv.store(x, dst, off, streaming=True)
             with otherwise:
-                aligned_rows(False)
-    else:
-        aligned_rows(False)
-    # the right edge (columns past fj) and the bottom edge (rows past fi)
-    if tail_j:
-        with irx.for_range(b, fi, step=w, name="ei") as i0:
-            tile(i0, i64(fj), w, tail_j)
-    if tail_i:
-        row_of_tiles(i64(fi), tail_i)
+                for x, off in moves:
+                    mv.store(x, dst, off)
+
+    # k = 0 only fills a buffer, k = total only empties one
+    with b.if_then(b.icmp_unsigned(">", total, i64(0))):
+        with irx.for_range(b, b.add(total, i64(1)), name="blk") as k:
+            with irx.for_range(b, ntiles, name="bt") as t:
+                with b.if_then(b.icmp_unsigned("<", k, total)):
+                    put_tile(k, t)
+                with b.if_then(b.icmp_unsigned(">", k, i64(0))):
+                    copy_out(b.sub(k, i64(1)), b.mul(t, i64(w)))
+    if streams:
+        irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
+
+    # The full tiles outside the blocks, as rows of tiles: the rows above h (from row 0), the
+    # rows right of the last whole block column (when bj does not divide fj), the rows below
+    # the last block row (the last tile row moved up to end at fi). Tiles may overlap the
+    # blocks and rewrite their elements with the same values.
+    n_top = b.udiv(b.add(h, i64(w - 1)), i64(w))
+    n_right = b.udiv(b.sub(rows_end, h), i64(w)) if nbj * bj < fj else i64(0)
+    n_bottom = b.udiv(b.sub(i64(fi + w - 1), rows_end), i64(w))
+    first_bottom = b.add(n_top, n_right)
+    with irx.for_range(b, b.add(first_bottom, n_bottom), name="lt") as t:
+        top = b.icmp_unsigned("<", t, n_top)
+        right = b.and_(b.icmp_unsigned("<", t, first_bottom), b.not_(top))
+        i_right = b.add(h, b.mul(b.sub(t, n_top), i64(w)))
+        i_bottom = b.add(rows_end, b.mul(b.sub(t, first_bottom), i64(w)))
+        i_bottom = b.select(b.icmp_unsigned("<", i_bottom, i64(fi - w)), i_bottom, i64(fi - w))
+        i0 = b.select(top, b.mul(t, i64(w)), b.select(right, i_right, i_bottom))
+        j_start = b.select(right, i64(nbj * bj), i64(0))
+        with irx.for_range(b, fj, step=w, start=j_start, name="ltj") as j0:
+            tile(i0, j0, w, w)
+    edges()
 
 
 # ---------------------------------------------------------------- vnni2
@@ -379,8 +418,31 @@ def _interleave_mask(c):
     return [k // 2 + (c if k % 2 else 0) for k in range(2 * c)]
 
 
+def _with_streaming(b, spec, dst, body):
+    """Emit body(streaming): for outputs of STREAM_BYTES or more whose rows are 16-byte aligned
+    (the pointer checked at run time) two copies, one with non-temporal stores followed by an
+    sfence; else body(False) alone."""
+    out = spec.operands()[-1]
+    pitch = out.ld * out.dtype.itemsize
+    if out.rows * pitch < STREAM_BYTES or pitch % irx.STREAM_PIECE:
+        body(False)
+        return
+    addr = b.ptrtoint(dst, I64)
+    aligned = b.icmp_unsigned("==", b.and_(addr, i64(irx.STREAM_PIECE - 1)), i64(0))
+    with b.if_else(aligned) as (then, otherwise):
+        with then:
+            body(True)
+            irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
+        with otherwise:
+            body(False)
+
+
 def _vnni2(b, spec, mv, src, dst):
     """out[r][2j + t] = in[2r + t][j]; an odd last row pairs with zeros."""
+    _with_streaming(b, spec, dst, lambda streaming: _vnni2_rows(b, spec, mv, src, dst, streaming))
+
+
+def _vnni2_rows(b, spec, mv, src, dst, streaming):
     m, n, ldi, ldo = spec.m, spec.n, spec.ldi, spec.ldo
     c = mv.w
     mask = _interleave_mask(c)
@@ -396,7 +458,7 @@ def _vnni2(b, spec, mv, src, dst):
                 x1 = irx.const(vec(mv.ety, c), 0)
             out = _shuffle(b, x0, x1, mask)
             off = b.add(b.mul(r, i64(ldo)), b.mul(col, i64(2)))
-            mv.store(out, dst, off, None if count is None else 2 * count)
+            mv.store(out, dst, off, None if count is None else 2 * count, streaming)
         _column_chunks(b, n, c, body)
 
     if pairs:
@@ -408,6 +470,11 @@ def _vnni2(b, spec, mv, src, dst):
 
 def _vnni2_inv(b, spec, mv, src, dst):
     """out[2r + t][j] = in[r][2j + t]; for odd m the last pair's second row is dropped."""
+    _with_streaming(b, spec, dst,
+                    lambda streaming: _vnni2_inv_rows(b, spec, mv, src, dst, streaming))
+
+
+def _vnni2_inv_rows(b, spec, mv, src, dst, streaming):
     m, n, ldi, ldo = spec.m, spec.n, spec.ldi, spec.ldo
     c = mv.w
     evens = [2 * k for k in range(c)]
@@ -415,15 +482,20 @@ def _vnni2_inv(b, spec, mv, src, dst):
     pairs, odd = divmod(m, 2)
 
     def row_pair(r, second):
-        def body(col, count):
-            off = b.add(b.mul(r, i64(ldi)), b.mul(col, i64(2)))
-            x = mv.load(src, off, 2 * c, None if count is None else 2 * count)
-            undef = ir.Constant(x.type, ir.Undefined)
-            even_off = b.add(b.mul(b.mul(r, i64(2)), i64(ldo)), col)
-            mv.store(_shuffle(b, x, undef, evens), dst, even_off, count)
-            if second:
-                mv.store(_shuffle(b, x, undef, odds), dst, b.add(even_off, i64(ldo)), count)
-        _column_chunks(b, n, c, body)
+        # Both output rows in one pass; when streaming, one output row per pass (the second
+        # pass reads the input row again from the cache): non-temporal stores are much faster
+        # as one sequential run than as two interleaved ones.
+        halves = [evens, odds] if second else [evens]
+        passes = [[t] for t in range(len(halves))] if streaming else [range(len(halves))]
+        for outs in passes:
+            def body(col, count, outs=outs):
+                off = b.add(b.mul(r, i64(ldi)), b.mul(col, i64(2)))
+                x = mv.load(src, off, 2 * c, None if count is None else 2 * count)
+                undef = ir.Constant(x.type, ir.Undefined)
+                for t in outs:
+                    out_off = b.add(b.mul(b.add(b.mul(r, i64(2)), i64(t)), i64(ldo)), col)
+                    mv.store(_shuffle(b, x, undef, halves[t]), dst, out_off, count, streaming)
+            _column_chunks(b, n, c, body)
 
     if pairs:
         with irx.for_range(b, pairs, name="pair") as r:
