@@ -22,15 +22,31 @@ vecmath.py hard-codes.  Reference values come from the float64 math library
 (math.erfc/math.erf/np.expm1) and np.longdouble where cancellation would
 otherwise spoil the reference (the gelu_tanh_grad root patch).
 
+Rational fits (ratfit): Sanathanan-Koerner linearisation (minimise |P - f Q| / |f Q_prev|)
+inside Lawson's iteratively reweighted least squares, on a 2000-point Chebyshev grid, first
+with Q(0) = 1, then renormalised to a monic Q; the coefficients are then rounded to float32 one
+at a time (P low to high, then Q) with the free ones re-fitted (warm-started) after each.
+
 Fitted objects (names as in vecmath.py)
 ---------------------------------------
 EXP_C      expm1(s) ~ s + s^2 (c2 + c3 s + ... + c6 s^4),  |s| <= ln2/2 (+0.2 %),
            relative error of expm1 (which bounds the relative error of exp).
 ERFC_Q     erfc(z) ~ t * exp(-z^2) * Q(t),  t = 1/(1 + P*z),  P = 0.375,
            0 <= z <= 10.4;  Q of degree 8, relative error of erfc.
-GELU_K     for x = -a <= 0:  Phi(x) + x*phi(x) = exp(-a^2/2) * (A0 - a) * K(t),
-           t = 1/(1 + (P/sqrt2)*a),  0 <= a <= 14.7 ;  A0 the root (a0 = -x0 of gelu').
-           Factoring the root out makes the result relatively accurate near it.
+GELU_E     e^(w/2) ~ E(w) (degree 6), |w| <= GELU_L (+0.2 %), the exp core of gelu and
+           gelu_grad; w is the exactly reduced argument -a^2 - 2 k GELU_L, and E also absorbs the
+           factor (1 - gamma), gamma = 1 - ln2/GELU_L (see below).  Relative error.
+GELU_P/Q   R~(a) = Phi(-a) e^(a^2/2) e^(-gamma a^2/2) ~ P(a)/Q(a) (degrees 4/4, Q monic),
+           0 <= a <= 14.7, relative error (a rational minimax fit, see ratfit).
+GELU_GRAD_P/Q
+           S~(a) = (R(a) - a/sqrt(2 pi)) e^(-gamma a^2/2) / (A0 - a) ~ P(a)/Q(a)
+           (degrees 4/3, Q monic), 0 <= a <= 14.7, relative error;  A0 the root (a0 = -x0 of
+           gelu').  For x = -a <= 0, gelu'(x) = Phi(-a) - a phi(a) = e^(-a^2/2) (A0 - a) S(a):
+           factoring the root out makes the result relatively accurate next to it.
+           GELU_L = round(ln2 * 2^16) / 2^16 is the reduction step of e^(-a^2/2) = 2^k e^(w/2):
+           a 15-bit 2*GELU_L makes -2 k GELU_L exact for |k| <= 255, and the mismatch
+           gamma = 1 - ln2/GELU_L (~ -2e-6) is folded exactly into E and into R~/S~:
+           e^(-a^2/2) = 2^k e^(w (1 - gamma)/2) e^(-gamma a^2/2).
 ERF_S      erf(x) ~ x * S(x^2),  |x| <= 0.6, degree 4 in x^2.
 TGRAD_H    gelu_tanh_grad(x) ~ (x - X0) * H(x - X0) for |x - X0| <= 0.06, X0 the
            root of gelu_tanh_grad; degree 4.
@@ -103,6 +119,82 @@ def fit_f32(f, w, lo, hi, powers, fixed=None):
     return err0, dict(sorted(fixed.items()))
 
 
+def _ratfit(a, y, n, m, fixed, Q0=None, outer=60, inner=3):
+    """Relative minimax P_n/Q_m on the points a (f = y, never 0).  fixed: {('p'|'q', k): v},
+    at least one entry (the normalisation).  Returns (err, P, Q) lowest order first, or
+    (inf, None, None) if no iterate had a denominator free of sign changes."""
+    pv = np.polynomial.polynomial.polyval
+    sc = np.abs(a).max()
+    s = a / sc
+    names = [('p', k) for k in range(n + 1) if ('p', k) not in fixed] + \
+            [('q', k) for k in range(m + 1) if ('q', k) not in fixed]
+    cols = np.stack([(s ** k) if kind == 'p' else (-y * s ** k) for kind, k in names], 1)
+    rhs = np.zeros_like(a)
+    for (kind, k), v in fixed.items():
+        rhs += (-(a ** k) * v) if kind == 'p' else (y * a ** k * v)
+    w = np.full_like(a, 1.0 / a.size)
+    Q = np.ones_like(a) if Q0 is None else np.abs(Q0)
+    best = (np.inf, None, None)
+    for _ in range(outer):
+        ok = True
+        for _ in range(inner):
+            sw = np.sqrt(w) / (np.abs(y) * Q)
+            c = np.linalg.lstsq(cols * sw[:, None], rhs * sw, rcond=None)[0]
+            co = dict(fixed)
+            for (kind, k), v in zip(names, c):
+                co[(kind, k)] = v / sc ** k
+            Pc = [co[('p', k)] for k in range(n + 1)]
+            Qc = [co[('q', k)] for k in range(m + 1)]
+            Qv = pv(a, Qc)
+            ok = bool(np.all(Qv * np.sign(Qv[0]) > 0))
+            if not ok:
+                break
+            Q = np.abs(Qv)
+        if not ok:
+            break
+        e = np.abs(pv(a, Pc) / Qv - y) / np.abs(y)
+        if e.max() < best[0]:
+            best = (e.max(), Pc, Qc)
+        w = w * e / e.max() + 1e-300
+        w = w / w.sum()
+    return best
+
+
+def ratfit(f, lo, hi, n, m, grid=2000, constrain=None):
+    """Relative minimax rational P_n/Q_m for f on [lo, hi] with float32 coefficients and a
+    monic Q (q_m = 1).  constrain(P, Q) -> {('p'|'q', k): float32} fixes some coefficients
+    (given the unconstrained fit) before the others are rounded.  Returns (minimax_err, P, Q)
+    (lowest order first)."""
+    pv = np.polynomial.polynomial.polyval
+    a = (lo + hi) / 2 - (hi - lo) / 2 * np.cos(np.pi * (np.arange(grid) + 0.5) / grid)
+    y = f(a)
+    err0, P, Q = _ratfit(a, y, n, m, {('q', 0): 1.0})
+    assert P is not None, "ratfit: no denominator without a zero on the interval"
+    P = [v / Q[-1] for v in P]
+    Q = [v / Q[-1] for v in Q]
+    fixed = {('q', m): 1.0}
+    if constrain is not None:
+        fixed.update(constrain(P, Q))
+        _, P, Q = _ratfit(a, y, n, m, fixed, Q0=pv(a, Q), outer=30)
+    for key in [('p', k) for k in range(n + 1)] + [('q', k) for k in range(m)]:
+        if key in fixed:
+            continue
+        _, P2, Q2 = _ratfit(a, y, n, m, fixed, Q0=pv(a, Q), outer=30)
+        if P2 is not None:
+            P, Q = P2, Q2
+        fixed[key] = f32(P[key[1]] if key[0] == 'p' else Q[key[1]])
+    return err0, [fixed[('p', k)] for k in range(n + 1)], [fixed[('q', k)] for k in range(m + 1)]
+
+
+def report_rat(name, err0, P, Q, f, lo, hi):
+    if not _VERBOSE:
+        return
+    pv = np.polynomial.polynomial.polyval
+    xs = np.linspace(lo, hi, 100001)
+    e1 = np.abs(pv(xs, P) / pv(xs, Q) / f(xs) - 1).max()
+    print(f"{name}: minimax {err0:.3e}   f32 coeffs {e1:.3e}")
+
+
 def fma32(a, b, c):
     # a*b is exact in float64 for float32 a, b; one (double) rounding of the sum.
     return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(F32)
@@ -143,7 +235,10 @@ def report(name, err0, coeffs, f, w, lo, hi, sim=None):
 P_ERFC = 0.375          # t = 1/(1 + P z); exactly representable
 ERF_THR = 0.6           # erf: x S(x^2) below, 1 - erfc above
 TGRAD_DELTA = 0.06      # half-width of the gelu_tanh_grad root patch
-ZMAX = 10.4             # erfc clamp 10.3, gelu/gelu_grad clamp 14.6/sqrt2 = 10.32
+ZMAX = 10.4             # erfc clamp 10.3
+GELU_AMAX = 14.7        # gelu/gelu_grad clamp |x| at 14.6
+GELU_L = round(math.log(2.0) * 65536) / 65536     # exp reduction step (2*GELU_L has 15 bits)
+GELU_GAMMA = 1.0 - math.log(2.0) / GELU_L
 SQRT2 = math.sqrt(2.0)
 INV_SQRT2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -227,20 +322,48 @@ def fit_all(verbose=True):
     report("ERFC_Q  (erfc rel, deg 8)", err0, co, Qf, lambda t: 1.0 / Qf(t), tlo, 1.0, sim)
     out.append(("ERFC_Q", as_list(co)))
 
-    # ---------------- gelu_grad K(t) ----------------
+    # ---------------- gelu / gelu_grad: E(w), R~ = P/Q, S~ = P/Q ----------------
     a0 = gelu_grad_root()
-    q = P / SQRT2
-    AMAX = 14.7
-    tlo = 1.0 / (1.0 + q * AMAX)
+    g = GELU_GAMMA
+    LW = GELU_L * 1.002
+    fE = lambda w: np.exp(w * (1 - g) / 2)
+    err0, co = fit_f32(fE, lambda w: 1.0 / fE(w), -LW, LW, range(0, 7))
+    report("GELU_E  (e^(w/2) rel, deg 6)", err0, co, fE, lambda w: 1.0 / fE(w), -LW, LW)
+    out.append(("GELU_E", as_list(co)))
 
-    def Kf(t):
-        a = (1 - t) / (q * t)
-        return (mills(a) - a) * INV_SQRT2PI / (a0 - a)
+    def Rt(a):
+        return 0.5 * np.array(erfc_v(a / SQRT2), dtype=np.float64) * np.exp(a * a * (1 - g) / 2)
 
-    err0, co = fit_f32(Kf, lambda t: 1.0 / np.abs(Kf(t)), tlo, 1.0, range(0, 9))
-    report("GELU_K  (gelu' rel, deg 8)", err0, co, Kf, lambda t: 1.0 / np.abs(Kf(t)), tlo, 1.0)
-    out.append(("GELU_K", as_list(co)))
+    err0, P, Q = ratfit(Rt, 0.0, GELU_AMAX, 4, 4)
+    report_rat("GELU_P/Q (Phi(-a) e^(a^2/2) rel, deg 4/4)", err0, P, Q, Rt, 0.0, GELU_AMAX)
+    out.append(("GELU_P", P))
+    out.append(("GELU_Q", Q))
+
+    def St(a):
+        r = 0.5 * np.array(erfc_v(a / SQRT2), dtype=np.float64) * np.exp(a * a / 2)
+        return (r - a * INV_SQRT2PI) / (a0 - a) * np.exp(-g * a * a / 2)
+
     a0h, a0l = split(a0)
+
+    def exact_half(P, Q):
+        # gelu'(0) must round to exactly 0.5: at a = 0 the kernel computes
+        # RN(RN(a0h * RN(p0 2^40 / q0)) * 2^-40); pick the float32 p0 nearest the fit with
+        # RN(a0h * RN(p0 2^40 / q0)) == 2^39 (q0 rounded first).
+        q0 = F32(Q[0])
+        p0 = F32(P[0])
+        best = None
+        for d in range(-200, 201):
+            c = F32(p0 + F32(d) * np.spacing(p0))
+            rq = F32(F32(c * F32(2.0 ** 40)) / q0)
+            if F32(F32(a0h) * rq) == F32(2.0 ** 39) and (best is None or abs(d) < abs(best[0])):
+                best = (d, c)
+        assert best is not None, "no float32 p0 makes gelu'(0) exact"
+        return {('q', 0): float(q0), ('p', 0): float(best[1])}
+
+    err0, P, Q = ratfit(St, 0.0, GELU_AMAX, 4, 3, constrain=exact_half)
+    report_rat("GELU_GRAD_P/Q (gelu'/(A0 - a) rel, deg 4/3)", err0, P, Q, St, 0.0, GELU_AMAX)
+    out.append(("GELU_GRAD_P", P))
+    out.append(("GELU_GRAD_Q", Q))
     out.append(("GELU_GRAD_ROOT", [a0h, a0l]))        # A0 = -x0 (hi, lo)
     if verbose:
         print(f"  root of gelu': x0 = {float(-a0)!r}")

@@ -33,7 +33,7 @@ Method
     and q = e^(r/2); both factors are normal for x in [-104, 89], the final
     square rounds once, so overflow gives +inf and underflow goes gracefully
     through the subnormals to 0.
-  - the tail functions (sigmoid, erfc, gelu, ...) only need e^y for y <= 0;
+  - the tail functions (sigmoid, erfc, ...) only need e^y for y <= 0;
     they keep E = e^y * 2^64 (always normal, one extra offset of 64 in the
     shifter) and fold the 2^-64 into the other factor, so the single final
     multiplication is the only rounding into the subnormal range.
@@ -45,15 +45,32 @@ Method
 * erfc(z) = t * exp(-z^2) * Q(t), t = 1/(1 + 0.375 z), Q of degree 8 (0<=z<=10.4).
   -z^2 = -(h + l) exactly (h = z*z, l = fma(z, z, -h)) and l is folded into the
   reduced argument of ONE exp, whose Cody-Waite reduction is exact, so the tail
-  is relatively accurate down to the subnormals.  Phi(-a) = 0.5 erfc(a/sqrt2)
-  reuses Q with exp(-a^2/2) (reduction by 2 ln2, polynomial in r/2).
+  is relatively accurate down to the subnormals.
 * erf: x * S(x^2) (degree 4) for |x| < 0.6, else sign(x) (1 - erfc|x|).
-* gelu: x<0: (x * E) * G (no cancellation: uses the tail Phi(-|x|));
-  x>=0: x * (1 - Phi(-x)).
-* gelu_grad: Phi(x) + x phi(x) = exp(-a^2/2) * (A0 - a) * K(t) for x = -a <= 0,
-  and 1 - (same) for x > 0; K (degree 8 in the same t) is fitted with the root
-  A0 = 0.7517915... factored out, so the result is relatively accurate even
-  next to the zero of gelu' at x0 = -A0.
+* gelu / gelu_grad share one core for a = min(|x|, 14.6) (~26 vector ops and one
+  division, branch-free; see the cost note at the end):
+  - e^(-a^2/2) = 2^k e^(w/2): k = round(-a^2 / (2L)) by the shifter
+    (t = fma(a*a, -1/(2L), SH)), w = -a^2 - 2kL in ONE rounding as
+    fma(a, -a, c2) with c2 = fma(t, -2L, 2L*SH) = -2kL exact.  The step
+    L = round(ln2 2^16)/2^16 makes 2L a 15-bit constant (exact products for
+    |k| <= 255); the mismatch gamma = 1 - ln2/L ~ -2e-6 is folded exactly into
+    the polynomials: e^(-a^2/2) = 2^k e^(w(1-gamma)/2) e^(-gamma a^2/2).
+    No Cody-Waite low part, no h + l split.  e^(w/2) ~ E(w), degree 6 (Horner).
+  - Phi(-a) e^(a^2/2) (the Mills ratio over sqrt(2 pi)) is a rational P/Q of
+    degrees 4/4 (Q monic, all coefficients positive: no cancellation) on
+    [0, 14.7], one vdivps.
+  - 2^k is applied by an integer add to the exponent of P/Q (P carries 2^40,
+    E carries 2^-40, so 2^k P/Q is normal for every k >= -154).
+  - gelu: x<0: -a Phi(-a); x>=0: x - a Phi(-a); both as ONE final
+    fma(a 2^k P/Q, -E, base) with base = x or -0.0, which is also the only
+    rounding into the subnormal range (no cancellation for x<0).
+  - gelu_grad: Phi(x) + x phi(x) = e^(-a^2/2) (A0 - a) S(a) for x = -a <= 0
+    and 1 - (the same) for x > 0, S = P/Q of degrees 4/3 fitted with the root
+    A0 = 0.7517915... factored out ((A0 - a) formed as (A0_hi - a) + A0_lo), so
+    the result is relatively accurate next to the zero of gelu' at x0 = -A0;
+    the sign of (A0 - a) is flipped for x >= 0 and the final
+    fma(., E, 0 or 1) gives H or 1 - H.  P(0) is chosen so that
+    gelu_grad(+-0) = 0.5 exactly.
 * gelu_tanh = x * sigmoid(v), v = x (c1 + c3 x^2) (c1 = 2 sqrt(2/pi),
   c3 = 0.044715 c1).  For x << 0 the result is ~x e^v with |v| up to ~112, so
   v is formed in double-float32 (exact products by FMA, Fast2Sum with a c1
@@ -66,6 +83,8 @@ Method
 
 All polynomial coefficients come from tools/fit_vecmath.py (weighted Remez on
 Chebyshev-distributed points with relative weighting, float32 rounding with
+re-fit; the rationals GELU_P/Q, GELU_GRAD_P/Q by a relative rational minimax
+fit, Sanathanan-Koerner inside Lawson reweighting, with the same rounding and
 re-fit), which also prints the fit errors.
 
 Rules
@@ -79,6 +98,9 @@ Rules
 * Sign tests are ``bitcast(x) < 0`` (a sign-bit blend), so -0.0 takes the
   negative branch where that matters (tanh(-0) = erf(-0) = gelu(-0) = -0).
 * Constants are float32-exact; powers of two are used to rescale polynomials.
+* A power of two applied by an integer add to the exponent field (gelu's 2^k)
+  is only used where the scaled value provably stays normal; the rounding into
+  the subnormals is always one floating-point operation.
 
 Special values: exp(+inf)=inf, exp(-inf)=0, exp(x>88.7228)=inf;
 tanh(+-inf)=+-1; sigmoid(+inf)=1, sigmoid(-inf)=0; erf(+-inf)=+-1,
@@ -98,14 +120,20 @@ subnormal):
     tanh              2.4e-7        (none)
     erf               3.0e-7        0.9 * 2^-149
     erfc              4.8e-7        2.3 * 2^-149
-    gelu              4.8e-7        2.4 * 2^-149
-    gelu_grad         3.2e-7        1.7 * 2^-149
+    gelu              5.2e-7        3.1 * 2^-149   (exhaustive, see below)
+    gelu_grad         5.3e-7        3.2 * 2^-149   (exhaustive, see below)
     gelu_tanh         2.4e-7        1.2 * 2^-149
     gelu_tanh_grad    4.4e-7        1.8 * 2^-149
 (the tests also sweep 8e6 extra points per function; the largest errors sit at
-moderate |x|, e.g. erfc/gelu near |x| ~ 0.5-1.3 where Q's float32 evaluation
-(t rounding + Horner) costs ~3e-7.)  gelu_grad and gelu_tanh_grad stay
-relatively accurate right next to their zeros (x0 = -0.75179 / -0.75246).
+moderate |x|, e.g. erfc near |x| ~ 0.5-1.3 where Q's float32 evaluation
+(t rounding + Horner) costs ~3e-7.  gelu / gelu_grad were checked on every
+float32 with |x| < 15.5 (beyond, the clamped results are exactly x / -0 and
+1 / -0); on the test inputs they show 4.6e-7 / 1.6 and 4.4e-7 / 2.3.  Their
+error is the float32 evaluation of P/Q (~3e-7) + the fits (1e-7 + 5e-9); the
+subnormal tolerance 4 * 2^-149 is a relative 4.8e-7 at the top of the
+subnormal range, so the margin there is ~20 %; tests/test_vecmath.py checks
+every float of [-14.7, -12] for both.)  gelu_grad and gelu_tanh_grad stay relatively accurate right next to
+their zeros (x0 = -0.75179 / -0.75246).
 
 Instruction counts per <8 x float> vector on znver3 (AVX2+FMA, llc -O3, loop
 body of an elementwise kernel, excluding the load, the store and the loop
@@ -116,16 +144,22 @@ control; all ymm, no calls, no scalar code):
     tanh                19       2            1              1
     erf                 40       2            4              1
     erfc                31       1            4              1
-    gelu                35       2            4              1
-    gelu_grad           33       1            5              1
+    gelu                26       1            4              1
+    gelu_grad           31       0            5              1
     gelu_tanh           37       3            3              1
     gelu_tanh_grad      55       3            4              1
 ("reg-copies" are vmovaps before destructive FMAs; "constant reloads" are
 stack reloads once the 16 ymm registers run out.)  On this 2-core znver3 VM
-(~18.5 GB/s read+write for a plain copy) exp runs at ~16 GB/s, sigmoid/tanh
-~13 GB/s, gelu/gelu_grad/erfc ~8.5 GB/s, gelu_tanh ~7.5 GB/s and
-gelu_tanh_grad ~5 GB/s (in-cache: exp ~0.6-0.75 ns, gelu ~1.1-1.3 ns per
-float), i.e. only exp keeps up with DRAM on one core here.
+(~18.5 GB/s read+write for np.copyto, ~30 GB/s for tpp's identity kernel with
+non-temporal stores) exp runs at ~16 GB/s, sigmoid/tanh ~13 GB/s, erfc
+~8.5 GB/s, gelu ~11 GB/s (torch's gelu with out=: ~9 GB/s), gelu_inv
+(g * gelu_grad, three streams) ~14 GB/s, gelu_tanh ~7.5 GB/s and
+gelu_tanh_grad ~5 GB/s (in-cache, a 256x256 kernel: exp ~0.6-0.75 ns, gelu
+~0.65-0.7 ns per float), i.e. only exp keeps up with DRAM on one core here.
+Measured here, each vector op costs ~0.5-1 cycle whatever its kind (min,
+and, blend included; unrolling two vectors per iteration gains nothing), so
+gelu's ~26 ops are the floor of this method: fewer would need fewer fitted
+coefficients, i.e. a looser error bound.
 """
 import math
 import struct
@@ -176,17 +210,45 @@ ERFC_Q = (
     -0.28526851534843445,
     0.06110147386789322,
 )
-# gelu'(-a) = exp(-a^2/2) (A0 - a) K(t), t = 1/(1 + (ERFC_P/sqrt2) a), 0 <= a <= 14.7.
-GELU_K = (
-    0.3989580571651459,
-    0.07920518517494202,
-    0.07015858590602875,
-    0.038916606456041336,
-    0.07834276556968689,
-    -0.055135808885097504,
-    0.0997748002409935,
-    -0.054725587368011475,
-    0.009583385661244392,
+# gelu, gelu_grad: e^(-a^2/2) = 2^k e^(w/2) with w = -a^2 - 2 k GELU_L (exact);
+# e^(w (1 - gamma)/2) ~ E(w), |w| <= GELU_L (gamma = 1 - ln2/GELU_L, see tools/fit_vecmath.py).
+GELU_E = (
+    1.0,
+    0.500001072883606,
+    0.12500053644180298,
+    0.020832950249314308,
+    0.0026039404328912497,
+    0.00026205796166323125,
+    2.2214982891455293e-05,
+)
+# Phi(-a) e^(a^2/2) e^(-gamma a^2/2) ~ P(a)/Q(a), Q monic, 0 <= a <= 14.7.
+GELU_P = (
+    15.03922176361084,
+    9.900627136230469,
+    3.0776515007019043,
+    0.398261159658432,
+    2.9061715395073406e-05,
+)
+GELU_Q = (
+    30.078445434570312,
+    43.80025100708008,
+    26.064802169799805,
+    7.688449859619141,
+    1.0,
+)
+# gelu'(-a) = Phi(-a) - a phi(a) = e^(-a^2/2) (A0 - a) S(a); S(a) e^(-gamma a^2/2) ~ P(a)/Q(a).
+GELU_GRAD_P = (
+    8.759220123291016,
+    7.653622627258301,
+    2.810638427734375,
+    0.39848995208740234,
+    2.4129314624588005e-05,
+)
+GELU_GRAD_Q = (
+    13.170214653015137,
+    15.006086349487305,
+    6.279432773590088,
+    1.0,
 )
 GELU_GRAD_ROOT = (0.7517915368080139, -1.211444988769017e-08)   # A0 = -x0 (hi, lo)
 # erf(x) ~ x S(x^2), |x| <= ERF_THR.
@@ -219,7 +281,12 @@ _SH_BIAS = _SH + 127.0           # bits(t) << 23 == 2^n
 _SH_BIAS64 = _SH + 127.0 + 64.0  # bits(t) << 23 == 2^(n + 64)
 _TWO_M64 = 2.0 ** -64
 _SQRT1_2 = math.sqrt(0.5)
-_PHI_P = _f32(ERFC_P * _SQRT1_2)
+# gelu / gelu_grad exp reduction: k = round(-a^2 / (2 GELU_L)) by the shifter, and
+# -2 k GELU_L = fma(t, -2 GELU_L, 2 GELU_L SH) exactly (2 GELU_L has 15 significant bits,
+# |k| <= 154); bits(t) << 23 == k << 23 (SH's low 9 bits are 0).
+GELU_L = 45426.0 / 65536.0             # round(ln2 * 2^16) / 2^16
+_GELU_K2 = 2.0 * GELU_L * _SH           # exact
+_GELU_S = 2.0 ** 40                     # P/Q scaled by 2^40, E by 2^-40: 2^k P/Q stays normal
 # gelu_tanh: v = x (C1 + C3 x^2); C1_HI is a multiple of 2^-19 so that
 # Fast2Sum(C1_HI, P) is exact for 0 <= P < 16.
 _C1 = 2.0 * math.sqrt(2.0 / math.pi)
@@ -232,7 +299,7 @@ _C3X3 = _f32(3.0 * _C1 * 0.044715)
 _EXP_HI = 89.0        # e^89 overflows; (q 2^64)^2 stays finite before rounding
 _EXP_LO = -104.0      # e^-104 < 2^-150: rounds to 0
 _ERFC_ZMAX = 10.3     # erfc(10.3) < 2^-150
-_GELU_AMAX = 14.6     # gelu / gelu_grad underflow below -14.6
+_GELU_AMAX = 14.6     # gelu / gelu_grad underflow below -14.6, Phi(-14.6) < 2^-150
 _TANH_AMAX = 10.0     # tanh(10) rounds to 1
 _GTANH_AMAX = 11.0    # gelu_tanh(-11), gelu_tanh_grad(-11) underflow
 
@@ -341,6 +408,16 @@ def _ops(b, x):
     return _Ops(b, x.type)
 
 
+def _horner_monic(o, x, coeffs):
+    """Horner for a polynomial whose top coefficient is 1: the first step is an add."""
+    n = len(coeffs) - 1
+    assert coeffs[n] == 1.0 and n >= 1
+    acc = o.add(x, o.c(coeffs[n - 1]))
+    for k in range(n - 2, -1, -1):
+        acc = o.fma(acc, x, o.c(coeffs[k]))
+    return acc
+
+
 def _exp_poly(o, r, scale=1.0):
     """e^(scale*r) ~ 1 + s + c2 s^2 + ... + c6 s^6, s = scale*r  (6 FMAs)."""
     return o.horner(r, (1.0, 1.0) + EXP_C, scale)
@@ -372,25 +449,17 @@ def _exp_nonpos_scaled(o, y):
     return o.mul(_exp_poly(o, r), o.pow2_from_shifter(t))
 
 
-def _exp_neg_sq_scaled(o, a, half):
-    """E = e^(-a^2 * (1/2 if half else 1)) * 2^64 for a >= 0 (clamped), with
-    a^2 = h + l split exactly and l folded into the (exact) reduction."""
+def _exp_neg_sq_scaled(o, a):
+    """E = e^(-a^2) * 2^64 for a >= 0 (clamped), with a^2 = h + l split exactly and l folded
+    into the (exact) reduction."""
     h = o.mul(a, a)
     l = o.fma(a, a, o.neg(h))
-    if half:
-        t = o.fma(h, o.c(-0.5 * _LOG2E), o.c(_SH_BIAS64))
-        n = o.sub(t, o.c(_SH_BIAS64))
-        r = o.fma(n, o.c(-2.0 * _LN2_HI), o.neg(h))   # exact: -h - 2n ln2_hi
-        c = o.fma(n, o.c(2.0 * _LN2_LO), l)
-        r = o.sub(r, c)                               # = 2 (y - n ln2)
-        p = _exp_poly(o, r, 0.5)
-    else:
-        t = o.fma(h, o.c(-_LOG2E), o.c(_SH_BIAS64))
-        n = o.sub(t, o.c(_SH_BIAS64))
-        r = o.fma(n, o.c(-_LN2_HI), o.neg(h))         # exact
-        c = o.fma(n, o.c(_LN2_LO), l)
-        r = o.sub(r, c)
-        p = _exp_poly(o, r)
+    t = o.fma(h, o.c(-_LOG2E), o.c(_SH_BIAS64))
+    n = o.sub(t, o.c(_SH_BIAS64))
+    r = o.fma(n, o.c(-_LN2_HI), o.neg(h))         # exact
+    c = o.fma(n, o.c(_LN2_LO), l)
+    r = o.sub(r, c)
+    p = _exp_poly(o, r)
     return o.mul(p, o.pow2_from_shifter(t))
 
 
@@ -429,7 +498,7 @@ def tanh(b, x):
 # ---------------------------------------------------------------------------
 def _erfc_pos(o, a):
     """erfc(a) for a = |x| clamped to [0, 10.3] (NaN passes)."""
-    E = _exp_neg_sq_scaled(o, a, half=False)
+    E = _exp_neg_sq_scaled(o, a)
     t = o.div(o.c(1.0), o.fma(a, o.c(ERFC_P), o.c(1.0)))
     G = o.mul(t, o.horner(t, [q * _TWO_M64 for q in ERFC_Q]))
     return o.mul(E, G)
@@ -457,31 +526,48 @@ def erf(b, x):
 # ---------------------------------------------------------------------------
 # gelu (erf form)
 # ---------------------------------------------------------------------------
+def _gelu_core(o, x, P, Q):
+    """Shared part of gelu / gelu_grad for a = min(|x|, 14.6):
+    returns (ac, E, Rk) with  e^(-a^2/2) P(a)/Q(a) = Rk * E  (up to rounding), where
+    Rk = 2^(k+40) P(a)/Q(a) (built by an integer add to the exponent; always normal) and
+    E = 2^-40 e^(w/2) (normal), w = -a^2 - 2 k GELU_L computed exactly."""
+    b = o.b
+    ac = o.minp(o.fabs(x), _GELU_AMAX)
+    s = o.mul(ac, ac)
+    t = o.fma(s, o.c(-0.5 / GELU_L), o.c(_SH))         # SH + k, k = round(-a^2 / (2L))
+    c2 = o.fma(t, o.c(-2.0 * GELU_L), o.c(_GELU_K2))    # -2 k L, exact
+    w = o.fma(ac, o.neg(ac), c2)                         # -a^2 - 2 k L, one rounding
+    E = o.horner(w, [c / _GELU_S for c in GELU_E])
+    rq = o.div(o.horner(ac, [c * _GELU_S for c in P]), _horner_monic(o, ac, Q))
+    Rk = o.flt(b.add(o.bits(rq), b.shl(o.bits(t), o.ci(23))))   # rq * 2^k
+    return ac, E, Rk
+
+
 def gelu(b, x):
-    """x Phi(x) with Phi the standard normal cdf (exact erf GELU)."""
+    """x Phi(x) with Phi the standard normal cdf (exact erf GELU).
+
+    x < 0: -a Phi(-a); x >= 0: x - a Phi(-a); with a Phi(-a) = (a Rk) E folded into one
+    final fma, which is also the only rounding into the subnormal range."""
     o = _ops(b, x)
-    a = o.minp(o.fabs(x), _GELU_AMAX)
-    xm = o.maxp(x, -_GELU_AMAX)
-    E = _exp_neg_sq_scaled(o, a, half=True)        # e^(-a^2/2) 2^64
-    t = o.div(o.c(1.0), o.fma(a, o.c(_PHI_P), o.c(1.0)))
-    # G = Phi(-a) 2^-64 / e^(-a^2/2) = 0.5 t Q(t) 2^-64
-    G = o.mul(t, o.horner(t, [q * 0.5 * _TWO_M64 for q in ERFC_Q]))
-    F = o.mul(E, G)                                # Phi(-a)
-    pos = o.mul(x, o.sub(o.c(1.0), F))
-    neg = o.mul(o.mul(xm, E), G)                   # one rounding into subnormals
-    return o.sel(o.signbit(x), neg, pos)
+    ac, E, Rk = _gelu_core(o, x, GELU_P, GELU_Q)
+    m = o.mul(ac, Rk)
+    base = o.sel(o.signbit(x), o.c(-0.0), x)
+    return o.fma(m, o.neg(E), base)
 
 
 def gelu_grad(b, x):
-    """d/dx gelu = Phi(x) + x phi(x) (relatively accurate at its zero too)."""
+    """d/dx gelu = Phi(x) + x phi(x) (relatively accurate at its zero too).
+
+    x = -a <= 0: e^(-a^2/2) (A0 - a) S(a);  x > 0: 1 - (the same)."""
     o = _ops(b, x)
-    a = o.minp(o.fabs(x), _GELU_AMAX)
-    E = _exp_neg_sq_scaled(o, a, half=True)
-    t = o.div(o.c(1.0), o.fma(a, o.c(_PHI_P), o.c(1.0)))
-    K = o.horner(t, [k * _TWO_M64 for k in GELU_K])
-    d = o.add(o.sub(o.c(GELU_GRAD_ROOT[0]), a), o.c(GELU_GRAD_ROOT[1]))
-    F = o.mul(E, o.mul(d, K))                      # Phi(-a) - a phi(a)
-    return o.sel(o.signbit(x), F, o.sub(o.c(1.0), F))
+    ac, E, Rk = _gelu_core(o, x, GELU_GRAD_P, GELU_GRAD_Q)
+    d = o.add(o.sub(o.c(GELU_GRAD_ROOT[0]), ac), o.c(GELU_GRAD_ROOT[1]))
+    # negate d where x >= 0 (sign bit of x clear): d ^ (~x & 0x80000000)
+    flip = b.and_(b.not_(o.bits(x)), o.ci(-0x80000000))
+    ds = o.flt(b.xor(o.bits(d), flip))
+    m = o.mul(ds, Rk)
+    base = o.sel(o.signbit(x), o.c(0.0), o.c(1.0))
+    return o.fma(m, E, base)
 
 
 # ---------------------------------------------------------------------------
