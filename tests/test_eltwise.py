@@ -164,9 +164,9 @@ def test_binary_hypothesis(op, m, n, b0, b1, dtype):
 
 @pytest.mark.parametrize("pad", [0, 1, 4])
 def test_large_outputs_take_the_streaming_path_correctly(pad):
-    from tpp_cpu.eltwise import STREAMING_BYTES
+    from tpp_cpu.irx import STREAM_BYTES
     n = 2048
-    assert n * n * 4 >= STREAMING_BYTES
+    assert n * n * 4 >= STREAM_BYTES
     x = RNG.standard_normal((n, n)).astype(np.float32)
     k = tpp.binary("add", n, n, bcast_in1="row", ldo=n + pad)
     big = np.full((n + 1, n + pad), 7.0, np.float32)

@@ -6,7 +6,7 @@ f32, the op's expression (`mapops`) is applied, and the result is narrowed to th
 Broadcast inputs are loaded once where they do not depend on the loop: a scalar before the row
 loop, a column element per row, a row vector per column chunk.
 
-Outputs larger than STREAMING_BYTES cannot stay in cache anyway: for them the kernel checks at
+Outputs larger than irx.STREAM_BYTES cannot stay in cache anyway: for them the kernel checks at
 run time that every output row is aligned to the vector size and then writes with non-temporal
 stores, which skip the read-for-ownership and so save a third of the memory traffic of a
 map. Outputs not aligned to 16 bytes take the ordinary loop.
@@ -19,8 +19,6 @@ from tpp.spec import mask_bytes
 
 from . import irx, mapops
 from .irx import I32, i64
-
-STREAMING_BYTES = 16 << 20
 
 
 def generate(spec, target, symbol: str) -> ir.Module:
@@ -85,33 +83,14 @@ def generate(spec, target, symbol: str) -> ir.Module:
             if tail:
                 chunk(row, i64(full * lanes), tail)
 
-    blocks_out = [(k, op) for k, op in enumerate(operands)
-                  if op.role == "out" and op.layout == "block"]
-    big = sum(op.rows * op.ld * op.dtype.itemsize for _, op in blocks_out) >= STREAMING_BYTES
-    if big and full:
-        aligned = _rows_aligned(b, [(ptrs[k], op, lanes) for k, op in blocks_out])
-        with b.if_else(aligned) as (then, otherwise):
-            with then:
-                rows(True)
-                irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
-            with otherwise:
-                rows(False)
+    blocks_out = [(ptrs[k], op.rows, op.ld * op.dtype.itemsize)
+                  for k, op in enumerate(operands) if op.role == "out" and op.layout == "block"]
+    if full:
+        irx.with_streaming(b, blocks_out, rows)
     else:
         rows(False)
     b.ret_void()
     return module
-
-
-def _rows_aligned(b, outputs):
-    """i1: every output's base address and row pitch are multiples of a streaming store."""
-    ok = ir.Constant(ir.IntType(1), 1)
-    for ptr, op, lanes in outputs:
-        vbytes = irx.STREAM_PIECE
-        if (op.ld * op.dtype.itemsize) % vbytes:
-            return ir.Constant(ir.IntType(1), 0)
-        addr = b.ptrtoint(ptr, irx.I64)
-        ok = b.and_(ok, b.icmp_unsigned("==", b.and_(addr, i64(vbytes - 1)), i64(0)))
-    return ok
 
 
 def _emit(spec, info, ctx, inputs) -> list:

@@ -161,6 +161,30 @@ def store_vec(b, value, base, offset, count: int | None = None, streaming: bool 
     b.call(fn, [value, ptr, ir.Constant(I32, align), lane_mask(w, count)])
 
 
+STREAM_BYTES = 16 << 20   # outputs at least this big are written with non-temporal stores
+
+
+def with_streaming(b, outputs, body):
+    """Emit body(streaming) for a kernel writing `outputs`, a list of (pointer, rows, pitch in
+    bytes). If they total STREAM_BYTES or more and every pitch is a multiple of STREAM_PIECE,
+    two copies are emitted behind a run-time check that every pointer is 16-byte aligned: one
+    with non-temporal stores followed by an sfence, one without. Else body(False) alone."""
+    total = sum(rows * pitch for _, rows, pitch in outputs)
+    if total < STREAM_BYTES or any(pitch % STREAM_PIECE for _, _, pitch in outputs):
+        body(False)
+        return
+    aligned = ir.Constant(I1, 1)
+    for ptr, _, _ in outputs:
+        low = b.and_(b.ptrtoint(ptr, I64), i64(STREAM_PIECE - 1))
+        aligned = b.and_(aligned, b.icmp_unsigned("==", low, i64(0)))
+    with b.if_else(aligned) as (then, otherwise):
+        with then:
+            body(True)
+            call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
+        with otherwise:
+            body(False)
+
+
 def load_scalar(b, base, offset, ty):
     return b.load(element_ptr(b, base, offset, ty), typ=ty, align=_ALIGN[str(ty)])
 

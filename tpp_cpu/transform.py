@@ -204,7 +204,7 @@ def transpose_tile(b, rows, group):
 LINE = 64                    # cache line bytes
 BLOCK_BYTES = 256            # a cache block: this many bytes of each output row (input rows)
 BLOCK_COLS = 64              # and this many elements of each input row (output rows)
-STREAM_BYTES = 16 << 20      # outputs this big are written with non-temporal stores
+STREAM_BYTES = irx.STREAM_BYTES  # outputs this big are written with non-temporal stores
 SMALL_BYTES = 256 << 10      # input + output bytes up to which the plain tile loop is used
 LARGE_BYTES = 32 << 20       # input + output bytes from which cache blocks are always used
 BAD_PITCH = 512              # row pitches that are multiples of this thrash the plain loop
@@ -419,22 +419,9 @@ def _interleave_mask(c):
 
 
 def _with_streaming(b, spec, dst, body):
-    """Emit body(streaming): for outputs of STREAM_BYTES or more whose rows are 16-byte aligned
-    (the pointer checked at run time) two copies, one with non-temporal stores followed by an
-    sfence; else body(False) alone."""
+    """body(streaming) behind irx.with_streaming's size and alignment rules for the output."""
     out = spec.operands()[-1]
-    pitch = out.ld * out.dtype.itemsize
-    if out.rows * pitch < STREAM_BYTES or pitch % irx.STREAM_PIECE:
-        body(False)
-        return
-    addr = b.ptrtoint(dst, I64)
-    aligned = b.icmp_unsigned("==", b.and_(addr, i64(irx.STREAM_PIECE - 1)), i64(0))
-    with b.if_else(aligned) as (then, otherwise):
-        with then:
-            body(True)
-            irx.call(b, "llvm.x86.sse.sfence", ret=ir.VoidType(), overloads=[])
-        with otherwise:
-            body(False)
+    irx.with_streaming(b, [(dst, out.rows, out.ld * out.dtype.itemsize)], body)
 
 
 def _vnni2(b, spec, mv, src, dst):
