@@ -448,6 +448,11 @@ def _vnni2_rows(b, spec, mv, src, dst, streaming):
             mv.store(out, dst, off, None if count is None else 2 * count, streaming)
         _column_chunks(b, n, c, body)
 
+    _for_row_pairs(b, pairs, odd, row_pair)
+
+
+def _for_row_pairs(b, pairs, odd, row_pair):
+    """row_pair(r, True) for each full pair of rows, then row_pair(pairs, False) if m is odd."""
     if pairs:
         with irx.for_range(b, pairs, name="pair") as r:
             row_pair(r, True)
@@ -484,11 +489,7 @@ def _vnni2_inv_rows(b, spec, mv, src, dst, streaming):
                     mv.store(_shuffle(b, x, undef, halves[t]), dst, out_off, count, streaming)
             _column_chunks(b, n, c, body)
 
-    if pairs:
-        with irx.for_range(b, pairs, name="pair") as r:
-            row_pair(r, True)
-    if odd:
-        row_pair(i64(pairs), False)
+    _for_row_pairs(b, pairs, odd, row_pair)
 
 
 # ---------------------------------------------------------------- gather / scatter
