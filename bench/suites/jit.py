@@ -3,13 +3,14 @@
 Cases (times in ms; each op's cases are named "<case>/<op>"):
   compile_cold/<op>   k.compile() of a spec never seen before, with an empty TPP_CACHE_DIR, in a
                       process where LLVM is already initialised: IR generation, O3, code
-                      generation, the disk-cache write and the load. Fresh specs per repetition
+                      generation, linking (the `ld` child's time counts only with
+                      --clock wall), the disk-cache write and the load. Fresh specs per repetition
                       (distinct m, same code shape), median over the repetitions.
   compile_first       the first k.compile() of a new process (cold): the above plus LLVM's
-                      one-time initialisation (target machine, MCJIT engine, host features).
+                      one-time initialisation (importing llvmlite, target machine).
   cache_load/<op>     the first k.compile() in a new process, against a warm TPP_CACHE_DIR: what
-                      a program pays at start-up per kernel it had compiled before (includes
-                      LLVM's one-time initialisation); one `python -c` process per repetition.
+                      a program pays at start-up per kernel it had compiled before (a dlopen:
+                      LLVM is not imported); one `python -c` process per repetition.
   cache_load_next/<op>  a second cached kernel in that process: the load alone.
   import_tpp          `import tpp` in a new process (after numpy is imported).
 
