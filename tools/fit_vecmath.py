@@ -18,7 +18,7 @@ script prints
   * the error of a float32 Horner/FMA evaluation simulated in numpy,
 
 and finally the Python source of the coefficient tables, which is what
-vecmath.py hard-codes.  Reference values come from the float64 math library
+tpp_cpu/vecmath_coeffs.py holds.  Reference values come from the float64 math library
 (math.erfc/math.erf/np.expm1) and np.longdouble where cancellation would
 otherwise spoil the reference (the gelu_tanh_grad root patch).
 
