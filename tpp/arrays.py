@@ -83,10 +83,6 @@ def pointer(arr):
     return ffi.cast("void *", arr.ctypes.data)
 
 
-def address(arr) -> int:
-    return arr.data_ptr() if is_torch(arr) else arr.ctypes.data
-
-
 def check(op, arr, name: str) -> int:
     """Validate arr against the Operand op; returns the ld to compile for (0 if not a block)."""
     dt, shape, strides, writable, given = geometry(arr, name)

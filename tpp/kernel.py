@@ -29,7 +29,7 @@ class Kernel:
         self._operands = spec.operands()
         self._input_idx = [k for k, o in enumerate(self._operands) if o.role == "in"]
         self._output_idx = [k for k, o in enumerate(self._operands) if o.role != "in"]
-        self._needs_seed = spec.op == "dropout"
+        self._needs_seed = spec.scalars == ("seed",)
         self._own_lds = tuple(o.ld for o in self._operands)
         self._variants = {}
         self._raw = None

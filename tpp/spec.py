@@ -107,6 +107,12 @@ class _SpecBase:
             parts.append(f"{f.name}={getattr(self, f.name)!r}")
         return f"{self.family}(" + ",".join(parts) + ")"
 
+    @property
+    def scalars(self) -> tuple:
+        """Names of the run-time scalar arguments a kernel takes after its operand pointers
+        (each an int64): ("seed",) for dropout, else none."""
+        return ("seed",) if self.op == "dropout" else ()
+
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 

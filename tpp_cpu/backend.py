@@ -41,7 +41,7 @@ class CompiledKernel:
     target: Target
     symbol: str
     address: int
-    n_scalars: int
+    n_scalars: int      # int64 arguments after the pointers (spec.scalars)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,16 +93,12 @@ def generate_ir(spec, target: Target, symbol: str):
     return module.generate(spec, target, symbol)
 
 
-def _n_scalars(spec) -> int:
-    return 1 if spec.op == "dropout" else 0
-
-
 def compile(spec, target: Target | None = None) -> CompiledKernel:
     """The loaded kernel for spec, from the disk cache when a valid entry exists."""
     target = current() if target is None else target
     if not target.runnable:
         raise UnsupportedError(f"this host cannot run {target.isa} code (TPP_CPU_ISA="
-                               f"{os.environ.get('TPP_CPU_ISA')}); use dump_asm to inspect it")
+                               f"{os.environ.get('TPP_CPU_ISA')}); Kernel.dump() shows its code")
     key = cache_key(spec, target)
     symbol = symbol_for(key)
     disk = _disk()
@@ -110,16 +106,15 @@ def compile(spec, target: Target | None = None) -> CompiledKernel:
     if address is None:
         obj = build_object(spec, target, symbol)
         library = sharedlib.link(obj) if disk.directory is not None else None
-        path = disk.store(key, library if library is not None else obj)
-        address = None
-        if library is not None and path is not None:
+        disk.store(key, library if library is not None else obj)
+        if library is not None:
             try:
                 address = sharedlib.load(library, symbol)
             except OSError:
                 address = None
         if address is None:
             address = jit.load(obj, symbol, target)
-    return CompiledKernel(spec, target, symbol, address, _n_scalars(spec))
+    return CompiledKernel(spec, target, symbol, address, len(spec.scalars))
 
 
 def _load_cached(disk, key, symbol, target):

@@ -24,9 +24,8 @@ from .irx import I32, i64
 def generate(spec, target, symbol: str) -> ir.Module:
     operands = spec.operands()
     info = spec.info
-    needs_seed = spec.op == "dropout"
-    module, b, ptrs, scalars = irx.new_kernel(symbol, len(operands), 1 if needs_seed else 0)
-    seed = scalars[0] if needs_seed else None
+    module, b, ptrs, scalars = irx.new_kernel(symbol, len(operands), len(spec.scalars))
+    seed = scalars[0] if spec.scalars else None
     params = dict(spec.params)
     lanes = target.lanes
     m, n = spec.m, spec.n
