@@ -112,11 +112,7 @@ def make_inputs(spec, pad: int = 0):
         if op.layout == "index":
             arrays.append(RNG.integers(0, spec.m + 3, op.cols).astype(np.int64))
             continue
-        value_op = spec.op
-        if op.name in ("x", "y") and spec.info.kind == "map_inv":
-            value_op = spec.op
-        elif op.name == "grad":
-            value_op = "grad"
+        value_op = "grad" if op.name == "grad" else spec.op   # x, y: the op's own range
         rows = spec.m + 3 if op.rows == -1 else op.rows    # gather's source has spare rows
         shape = {"block": (rows, op.cols), "row": (op.cols,), "col": (op.rows,),
                  "scalar": ()}[op.layout]
