@@ -13,13 +13,15 @@ import functools
 from . import reference
 from .dtypes import BF16, F16, F32
 from .errors import ArgumentError, CompileError, SpecError, TPPError, UnsupportedError
+from .brgemm_kernel import BrgemmKernel
+from .brgemm_spec import BrgemmSpec, make_brgemm
 from .kernel import Kernel
 from .optable import BINARY_OPS, UNARY_OPS
 from .spec import BinarySpec, UnarySpec, make_binary, make_unary
 
 __version__ = "0.1.0"
 
-__all__ = ["unary", "binary", "kernel", "reference", "Kernel", "UnarySpec", "BinarySpec",
+__all__ = ["unary", "binary", "brgemm", "kernel", "BrgemmKernel", "BrgemmSpec", "reference", "Kernel", "UnarySpec", "BinarySpec",
            "TPPError", "SpecError", "ArgumentError", "UnsupportedError", "CompileError",
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16"]
 
@@ -27,7 +29,7 @@ __all__ = ["unary", "binary", "kernel", "reference", "Kernel", "UnarySpec", "Bin
 @functools.lru_cache(maxsize=4096)
 def kernel(spec) -> Kernel:
     """The Kernel of a spec; one per spec per process."""
-    return Kernel(spec)
+    return BrgemmKernel(spec) if spec.family == "brgemm" else Kernel(spec)
 
 
 def unary(op, m, n, *, ldi=None, ldo=None, dtype_in="f32", dtype_out=None, dtype_comp="f32",
@@ -43,3 +45,13 @@ def binary(op, m, n, *, ldi0=None, ldi1=None, ldo=None, dtype_in0="f32", dtype_i
     return kernel(make_binary(op, m, n, ldi0=ldi0, ldi1=ldi1, ldo=ldo, dtype_in0=dtype_in0,
                               dtype_in1=dtype_in1, dtype_out=dtype_out, dtype_comp=dtype_comp,
                               bcast_in0=bcast_in0, bcast_in1=bcast_in1))
+
+
+def brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b=None, dtype_c=None,
+           dtype_comp="f32", beta=0, trans_a=False, trans_b=False, vnni_b=False, batch="stride",
+           bias=None, activation=None, bitmask=False) -> BrgemmKernel:
+    """Batch-reduce GEMM: C = act(beta*C + sum_i A_i @ B_i + bias); see tpp.brgemm_spec."""
+    return kernel(make_brgemm(m, n, k, lda=lda, ldb=ldb, ldc=ldc, dtype_a=dtype_a,
+                              dtype_b=dtype_b, dtype_c=dtype_c, dtype_comp=dtype_comp, beta=beta,
+                              trans_a=trans_a, trans_b=trans_b, vnni_b=vnni_b, batch=batch,
+                              bias=bias, activation=activation, bitmask=bitmask))

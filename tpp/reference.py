@@ -192,10 +192,14 @@ def _check_inputs(spec, inputs):
 
 
 def run(spec, *inputs, seed: int | None = None):
-    """Compute the outputs of `spec` on `inputs` (see the module docstring)."""
+    """Compute the outputs of `spec` on `inputs` (see the module docstring). For a BRGEMM the
+    inputs are the sequence of stored A blocks, the sequence of stored B blocks (equal length,
+    possibly 0; a 3-D array is a sequence), then C when beta=1, then the bias row."""
     _check_inputs(spec, inputs)
     if spec.family == "binary":
         return _run_binary(spec, *inputs)
+    if spec.family == "brgemm":
+        return _run_brgemm(spec, *inputs)
     info, m, n = spec.info, spec.m, spec.n
     p = dict(spec.params)
     ops = spec.operands()
@@ -265,3 +269,35 @@ def _run_binary(spec, a, b, *rest):
         return _round(c + x * y, spec.dtype_out)
     with np.errstate(all="ignore"):
         return _round(_BINARY[spec.op](x, y), spec.dtype_out)
+
+
+def _logical_b(spec, blk):
+    """One stored B block as the logical (k, n) float64 matrix."""
+    blk = np.asarray(blk)
+    if spec.vnni_b:
+        pairs = blk.reshape(-1, spec.n, 2).transpose(0, 2, 1).reshape(-1, spec.n)
+        return pairs[:spec.k].astype(np.float64)
+    return (blk.T if spec.trans_b else blk).astype(np.float64)
+
+
+def _run_brgemm(spec, a_blocks, b_blocks, *rest):
+    """act(beta*C + sum_i A_i @ B_i + bias), summed exactly in float64, rounded once to f32 before
+    the activation; returns C, or (C, bitmask) for relu with bitmask."""
+    if len(a_blocks) != len(b_blocks):
+        raise ArgumentError(f"brgemm: {len(a_blocks)} A blocks but {len(b_blocks)} B blocks")
+    m, n = spec.m, spec.n
+    acc = np.zeros((m, n), np.float64)
+    for a, b in zip(a_blocks, b_blocks):
+        a = np.asarray(a).astype(np.float64)
+        acc += (a.T if spec.trans_a else a) @ _logical_b(spec, b)
+    rest = list(rest)
+    if spec.beta:
+        acc += np.asarray(rest.pop(0)).astype(np.float64)
+    if spec.bias:
+        acc += np.asarray(rest.pop(0)).astype(np.float64).reshape(1, n)
+    x = acc.astype(np.float32).astype(np.float64)
+    if spec.activation is None:
+        return _round(x, spec.dtype_c)
+    params = {"bitmask": spec.bitmask, "approximate": "none"}
+    y = _round(_MAP[spec.activation](x, params), spec.dtype_c)
+    return (y, pack_mask(x > 0)) if spec.bitmask else y

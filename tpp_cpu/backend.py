@@ -32,6 +32,7 @@ _GENERATORS = {
     "reduce": "reduce",
     "transpose": "transform", "vnni2": "transform", "vnni2_inv": "transform",
     "gather": "transform", "scatter": "transform",
+    "brgemm": "brgemm",
 }
 
 
@@ -89,7 +90,8 @@ def reset_disk_cache():
 
 
 def generate_ir(spec, target: Target, symbol: str):
-    module = importlib.import_module(f"tpp_cpu.{_GENERATORS[spec.info.kind]}")
+    kind = spec.kind if spec.family == "brgemm" else spec.info.kind
+    module = importlib.import_module(f"tpp_cpu.{_GENERATORS[kind]}")
     return module.generate(spec, target, symbol)
 
 

@@ -111,6 +111,48 @@ def for_range(b: ir.IRBuilder, count, step: int = 1, start=0, name="i"):
     b.position_at_end(done)
 
 
+class Carried:
+    """The loop index and the values a `for_carry` loop carries (the body replaces `values`)."""
+
+    def __init__(self, index, values):
+        self.index = index
+        self.values = values
+
+
+@contextlib.contextmanager
+def for_carry(b: ir.IRBuilder, count, values, step: int = 1, start=0, name="i"):
+    """`for i in range(start, count, step)` carrying `values` (e.g. accumulators) in registers:
+    the body reads `state.values` and assigns the next ones to it; after the loop,
+    `state.values` are the final values (the initial ones when the loop runs zero times)."""
+    count = i64(count) if isinstance(count, int) else count
+    start = i64(start) if isinstance(start, int) else start
+    pre = b.block
+    fn = pre.function
+    head = fn.append_basic_block(f"{name}.head")
+    body = fn.append_basic_block(f"{name}.body")
+    done = fn.append_basic_block(f"{name}.done")
+    b.branch(head)
+    b.position_at_end(head)
+    idx = b.phi(I64, name=name)
+    idx.add_incoming(start, pre)
+    phis = []
+    for v in values:
+        phi = b.phi(v.type)
+        phi.add_incoming(v, pre)
+        phis.append(phi)
+    b.cbranch(b.icmp_signed("<", idx, count), body, done)
+    b.position_at_end(body)
+    state = Carried(idx, list(phis))
+    yield state
+    end = b.block
+    idx.add_incoming(b.add(idx, i64(step), name=f"{name}.next"), end)
+    for phi, v in zip(phis, state.values):
+        phi.add_incoming(v, end)
+    b.branch(head)
+    b.position_at_end(done)
+    state.values = list(phis)
+
+
 # ---------------------------------------------------------------- memory
 def storage_type(dtype):
     """The LLVM element type holding a dtype's bits."""
@@ -126,11 +168,12 @@ def element_ptr(b, base, offset, ty):
     return b.gep(base, [offset], source_etype=ty)
 
 
-def load_vec(b, base, offset, ty, w: int, count: int | None = None):
-    """Load w elements of type ty (count < w: the first count lanes, the rest zero)."""
+def load_vec(b, base, offset, ty, w: int, count: int | None = None, align: int | None = None):
+    """Load w elements of type ty (count < w: the first count lanes, the rest zero); align
+    overrides the alignment assumed (default: the element's own)."""
     vt = vec(ty, w)
     ptr = element_ptr(b, base, offset, ty)
-    align = _ALIGN[str(ty)]
+    align = _ALIGN[str(ty)] if align is None else align
     if count is None or count >= w:
         return b.load(ptr, typ=vt, align=align)
     fn = intrinsic(b.module, "llvm.masked.load", vt, [PTR, I32, vec(I1, w), vt], [vt, PTR])

@@ -1,0 +1,231 @@
+"""The callable BRGEMM: binding the three batch modes' arrays to the compiled function.
+
+    mm = tpp.brgemm(64, 64, 64, beta=1)          # batch="stride"
+    mm(A, B, C)                                   # A (count, 64, 64), B (count, 64, 64), C (64, 64)
+
+Call forms, by the spec's batch mode (`count=` uses only the first pairs; default: all):
+  stride   a, b: 3-D arrays (count, *stored block shape); any batch stride, row stride = ld,
+           contiguous rows.
+  offset   a, b: C-contiguous base arrays (any shape) read as flat element buffers, with
+           offsets_a=, offsets_b=: int64 element offsets of each block's first element.
+  address  a, b: sequences of 2-D blocks (all blocks of a sequence with the same row stride).
+C is written in place and returned; it is allocated when beta=0 and c is None. With a relu
+bitmask the result is (c, mask). Every array is checked (shape, dtype, strides, offsets within
+the base array, C not overlapping an input) before the compiled code runs; the raw path
+(`Kernel.raw`, see tpp.brgemm_spec for its signature) checks nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tpp_cpu import backend as cpu_backend
+
+from . import arrays
+from .errors import ArgumentError
+
+_SIGNATURE = "void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t)"
+
+
+def _address(arr) -> int:
+    return arr.data_ptr() if arrays.is_torch(arr) else arr.ctypes.data
+
+
+def _shape0(arr):
+    return arr.shape[0] if len(arr.shape) else 0
+
+
+class BrgemmKernel:
+    def __init__(self, spec):
+        self.spec = spec
+        self._ops = {op.name: op for op in spec.operands()}
+        self._variants = {}
+        self._raw = None
+
+    def __repr__(self):
+        return f"<tpp kernel {self.spec.key()}>"
+
+    # ------------------------------------------------------------ compilation
+    def _variant(self, lds: tuple):
+        fn = self._variants.get(lds)
+        if fn is None:
+            spec = self.spec
+            if lds != (spec.lda, spec.ldb, spec.ldc):
+                spec = spec.replace(lda=lds[0], ldb=lds[1], ldc=lds[2])
+            fn = arrays.ffi.cast(_SIGNATURE, cpu_backend.compile(spec).address)
+            self._variants[lds] = fn
+        return fn
+
+    @property
+    def raw(self):
+        """The C function for the spec's own lds: raw(a, b, c, bias, mask, count, arg_a, arg_b)."""
+        if self._raw is None:
+            self._raw = self._variant((self.spec.lda, self.spec.ldb, self.spec.ldc))
+        return self._raw
+
+    def compile(self):
+        """Compile now instead of on the first call; returns self."""
+        self.raw
+        return self
+
+    def dump(self, what: str = "asm", isa: str | None = None) -> str:
+        """The generated code: what = "ir", "opt" or "asm"; isa = "avx512" or "avx2"."""
+        from tpp_cpu import target
+        tgt = target.current() if isa is None else target.make_target(isa)
+        return cpu_backend.dump(self.spec, what, tgt)
+
+    # ------------------------------------------------------------ calls
+    def __call__(self, a, b, c=None, *, bias=None, mask=None, offsets_a=None, offsets_b=None,
+                 count=None):
+        spec, ops = self.spec, self._ops
+        if spec.batch != "offset" and (offsets_a is not None or offsets_b is not None):
+            raise ArgumentError(f"offsets_a/offsets_b belong to batch='offset'; this kernel's "
+                                f"batch mode is {spec.batch!r}")
+        if (bias is not None) != bool(spec.bias):
+            raise ArgumentError("this kernel adds a bias row: pass bias=..." if spec.bias else
+                                "this kernel has no bias (build it with bias='row')")
+        if mask is not None and not spec.bitmask:
+            raise ArgumentError("this kernel writes no bitmask (relu with bitmask=True does)")
+        binder = {"stride": self._bind_stride, "offset": self._bind_offset,
+                  "address": self._bind_address}[spec.batch]
+        count, lda, ldb, a_ptr, b_ptr, arg_a, arg_b, keep, inputs = binder(
+            a, b, count, offsets_a, offsets_b)
+
+        use_torch = any(arrays.is_torch(x) for x in inputs)
+        if c is None:
+            if spec.beta:
+                raise ArgumentError("beta=1 reads C: pass c=...")
+            c = arrays.allocate(ops["c"], use_torch)
+            c_given = False
+        else:
+            c = arrays.as_host_array(c, "c")
+            c_given = True
+        ldc = arrays.check(ops["c"], c, "c")
+        extras = []
+        if spec.bias:
+            bias = arrays.as_host_array(bias, "bias")
+            arrays.check(ops["bias"], bias, "bias")
+            inputs.append(bias)
+        if spec.bitmask:
+            mask = arrays.allocate(ops["mask"], use_torch) if mask is None else \
+                arrays.as_host_array(mask, "mask")
+            arrays.check(ops["mask"], mask, "mask")
+            extras.append(mask)
+        written = [c] + extras
+        if c_given or extras:
+            _check_no_overlap(written, inputs)
+
+        fn = self._variant((lda, ldb, ldc))
+        fn(a_ptr, b_ptr, _address(c), _address(bias) if spec.bias else 0,
+           _address(mask) if spec.bitmask else 0, count, arg_a, arg_b)
+        del keep
+        return (c, mask) if spec.bitmask else c
+
+    def _count(self, count, available, what):
+        if count is None:
+            return available
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ArgumentError(f"count must be a non-negative int, got {count!r}")
+        if count > available:
+            raise ArgumentError(f"count={count} but {what} holds only {available} block(s)")
+        return int(count)
+
+    def _bind_stride(self, a, b, count, _oa, _ob):
+        spec, ops = self.spec, self._ops
+        a, b = arrays.as_host_array(a, "a"), arrays.as_host_array(b, "b")
+        for name, arr in (("a", a), ("b", b)):
+            shape = tuple(arr.shape)
+            want = (ops[name].rows, ops[name].cols)
+            if len(shape) != 3 or shape[1:] != want:
+                raise ArgumentError(f"{name}: batch='stride' takes a 3-D array (count, {want[0]}, "
+                                    f"{want[1]}), got shape {shape}")
+        if a.shape[0] != b.shape[0] and count is None:
+            raise ArgumentError(f"a holds {a.shape[0]} blocks and b {b.shape[0]}; pass count= "
+                                f"to use fewer")
+        count = self._count(count, min(a.shape[0], b.shape[0]), "a or b")
+        lds = []
+        for name, arr in (("a", a), ("b", b)):
+            if arr.shape[0] == 0:
+                lds.append(ops[name].ld)
+                continue
+            lds.append(arrays.check(ops[name], arr[0], name))
+        stride = [arrays.geometry(x, n)[2][0] if x.shape[0] > 1 else 0
+                  for x, n in ((a, "a"), (b, "b"))]
+        if min(stride) < 0:
+            raise ArgumentError("a and b must have a non-negative batch stride")
+        return (count, lds[0], lds[1], _address(a), _address(b), stride[0], stride[1], None,
+                [a, b])
+
+    def _bind_offset(self, a, b, count, offsets_a, offsets_b):
+        spec, ops = self.spec, self._ops
+        if offsets_a is None or offsets_b is None:
+            raise ArgumentError("batch='offset' needs offsets_a=... and offsets_b=... "
+                                "(int64 element offsets)")
+        offs = []
+        for name, o in (("offsets_a", offsets_a), ("offsets_b", offsets_b)):
+            o = arrays.as_host_array(o, name)
+            o = o.numpy() if arrays.is_torch(o) else o
+            if o.dtype != np.int64 or o.ndim != 1 or not o.flags.c_contiguous:
+                raise ArgumentError(f"{name}: expected a contiguous 1-D int64 array, got "
+                                    f"{o.dtype} of shape {o.shape}")
+            offs.append(o)
+        if len(offs[0]) != len(offs[1]) and count is None:
+            raise ArgumentError(f"offsets_a has {len(offs[0])} entries and offsets_b "
+                                f"{len(offs[1])}; pass count= to use fewer")
+        count = self._count(count, min(len(offs[0]), len(offs[1])), "offsets_a or offsets_b")
+        bases = []
+        for name, arr, o in (("a", a, offs[0]), ("b", b, offs[1])):
+            arr = arrays.as_host_array(arr, name)
+            dt, shape, strides, _, given = arrays.geometry(arr, name)
+            op = ops[name]
+            if dt is not op.dtype:
+                raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
+            if not arrays._contiguous(shape, strides):
+                raise ArgumentError(f"{name}: batch='offset' reads a C-contiguous base array")
+            size = int(np.prod(shape, dtype=np.int64))
+            span = (op.rows - 1) * op.ld + op.cols
+            used = o[:count]
+            if count and (used.min() < 0 or used.max() + span > size):
+                raise ArgumentError(f"{name}: offsets must lie in [0, {size - span}] so that each "
+                                    f"{op.rows}x{op.cols} block (ld {op.ld}) fits in the base "
+                                    f"array of {size} elements; got [{used.min()}, {used.max()}]")
+            bases.append(arr)
+        return (count, spec.lda, spec.ldb, _address(bases[0]), _address(bases[1]),
+                offs[0].ctypes.data, offs[1].ctypes.data, offs, bases)
+
+    def _bind_address(self, a, b, count, _oa, _ob):
+        ops = self._ops
+        seqs, lds = [], []
+        for name, seq in (("a", a), ("b", b)):
+            if not isinstance(seq, (list, tuple)):
+                raise ArgumentError(f"{name}: batch='address' takes a list or tuple of 2-D "
+                                    f"blocks, got {type(seq).__name__}")
+            seqs.append([arrays.as_host_array(x, f"{name}[{i}]") for i, x in enumerate(seq)])
+        if len(seqs[0]) != len(seqs[1]) and count is None:
+            raise ArgumentError(f"a has {len(seqs[0])} blocks and b {len(seqs[1])}; pass count= "
+                                f"to use fewer")
+        count = self._count(count, min(len(seqs[0]), len(seqs[1])), "a or b")
+        pointer_arrays = []
+        for name, seq in zip(("a", "b"), seqs):
+            seq = seq[:count]
+            found = {arrays.check(ops[name], x, f"{name}[{i}]") for i, x in enumerate(seq)}
+            if len(found) > 1:
+                raise ArgumentError(f"{name}: every block must have the same row stride (ld), "
+                                    f"got {sorted(found)}")
+            lds.append(found.pop() if found else ops[name].ld)
+            pointer_arrays.append(np.array([_address(x) for x in seq] or [0], np.int64))
+        inputs = seqs[0][:count] + seqs[1][:count]
+        return (count, lds[0], lds[1], pointer_arrays[0].ctypes.data,
+                pointer_arrays[1].ctypes.data, 0, 0, pointer_arrays, inputs)
+
+
+def _check_no_overlap(written, inputs):
+    spans = [(arrays.extent(x), x) for x in inputs]
+    for k, w in enumerate(written):
+        lo, hi = arrays.extent(w)
+        for (olo, ohi), _ in spans:
+            if lo < ohi and olo < hi:
+                raise ArgumentError("c (and the bitmask) must not overlap a, b or bias")
+        for other in written[k + 1:]:
+            olo, ohi = arrays.extent(other)
+            if lo < ohi and olo < hi:
+                raise ArgumentError("c and the bitmask must not overlap each other")

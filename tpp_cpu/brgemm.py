@@ -1,0 +1,264 @@
+"""The BRGEMM generator: a register-blocked microkernel whose accumulators live in registers
+across the whole batch.
+
+Shape of the code (see brgemm_blocking for the tile sizes):
+
+    for each column group, for each tile of columns:           (loops)
+      for each row group, for each tile of rows:                (loops)
+        acc[R][V] = beta ? C tile : 0                           (registers)
+        for i in range(count):                                  (A_i, B_i from the batch mode)
+          for each k step (unrolled by UNROLL steps, remainder unrolled):
+            b[v] = B_i[kk, cols of vector v]                    (V vector loads)
+            acc[r][v] += broadcast(A_i[row r, kk]) * b[v]       (R broadcasts, R*V FMAs)
+        epilogue on the tile: + bias row, activation, bitmask, round to dtype_c, store
+
+Inputs of any dtype are widened to f32 exactly (bf16 by a shift, f16 by vcvtph2ps) and
+multiplied with f32 FMAs. A VNNI-packed B row holds two k steps: as 32-bit lanes, the low
+halves are B[2p, :] and the high halves B[2p+1, :]. On hosts with avx512_bf16 and bf16 A and
+VNNI B, a pair of k steps is one `vdpbf16ps` instead. A transposed B is read with gathers (its
+columns are strided), correct but slower than packing B with the transpose TPP first.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+
+from tpp.spec import mask_bytes
+
+from . import irx, mapops
+from .brgemm_blocking import plan
+from .irx import F32, I16, I32, I64, PTR, i64, vec
+
+UNROLL_STEPS = 8     # k steps per iteration of the k loop
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat, which llvmlite.ir lacks (the operand type of the dpbf16ps intrinsic)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+def generate(spec, target, symbol: str) -> ir.Module:
+    module, b, (pa, pb, pc, pbias, pmask), (count, arg_a, arg_b) = irx.new_kernel(symbol, 5, 3)
+    _Generator(spec, target, b, pa, pb, pc, pbias, pmask, count, arg_a, arg_b).emit()
+    b.ret_void()
+    return module
+
+
+class _Generator:
+    def __init__(self, spec, target, b, pa, pb, pc, pbias, pmask, count, arg_a, arg_b):
+        self.spec, self.b, self.lanes = spec, b, target.lanes
+        self.pa, self.pb, self.pc, self.pbias, self.pmask = pa, pb, pc, pbias, pmask
+        self.count, self.arg_a, self.arg_b = count, arg_a, arg_b
+        self.ta = irx.storage_type(spec.dtype_a)
+        self.tb = irx.storage_type(spec.dtype_b)
+        self.dot = (target.bf16_dot and spec.vnni_b and spec.dtype_a.name == "bf16"
+                    and spec.dtype_b.name == "bf16")
+        self.step = 2 if spec.vnni_b else 1     # k values per step (one B row)
+        registers = 32 if target.lanes == 16 else 16
+        widened = 2 if (spec.vnni_b and not self.dot) else 1
+        self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened)
+
+    # ------------------------------------------------------------ tiles
+    def emit(self):
+        b, lanes = self.b, self.lanes
+        for cg in self.blocking.col_groups:
+            width = cg.vectors * lanes
+            with irx.for_range(b, cg.count, name="ntile") as j:
+                col0 = b.add(i64(cg.start), b.mul(j, i64(width)))
+                for rg in self.blocking.row_groups:
+                    with irx.for_range(b, rg.count, name="mtile") as i:
+                        row0 = b.add(i64(rg.start), b.mul(i, i64(rg.rows)))
+                        self.tile(row0, col0, rg.rows, cg.vectors, cg.tail)
+
+    def _counts(self, vectors, tail):
+        """Active lanes of each vector of a tile (None: all)."""
+        return [None] * (vectors - 1) + [None if tail == self.lanes else tail]
+
+    def tile(self, row0, col0, rows, vectors, tail):
+        spec, b, lanes = self.spec, self.b, self.lanes
+        counts = self._counts(vectors, tail)
+        c_at = [[b.add(b.mul(b.add(row0, i64(r)), i64(spec.ldc)), b.add(col0, i64(v * lanes)))
+                 for v in range(vectors)] for r in range(rows)]
+        if spec.beta:
+            acc = [irx.load_f32(b, self.pc, c_at[r][v], spec.dtype_c, lanes, counts[v])
+                   for r in range(rows) for v in range(vectors)]
+        else:
+            acc = [irx.const(vec(F32, lanes), 0.0)] * (rows * vectors)
+        with irx.for_carry(b, self.count, acc, name="batch") as batch:
+            a_i, b_i = self.batch_pointers(batch.index)
+            a_tile, b_tile = self.tile_pointers(a_i, b_i, row0, col0)
+            batch.values = self.k_loop(batch.values, a_tile, b_tile, rows, vectors, counts)
+        self.epilogue(batch.values, row0, col0, rows, vectors, counts, c_at)
+
+    def batch_pointers(self, i):
+        """(A_i, B_i) base pointers of pair i."""
+        b, spec = self.b, self.spec
+        if spec.batch == "stride":
+            return (irx.element_ptr(b, self.pa, b.mul(i, self.arg_a), self.ta),
+                    irx.element_ptr(b, self.pb, b.mul(i, self.arg_b), self.tb))
+        if spec.batch == "offset":
+            out = []
+            for base, offsets, ty in ((self.pa, self.arg_a, self.ta), (self.pb, self.arg_b, self.tb)):
+                off = irx.load_scalar(b, b.inttoptr(offsets, PTR), i, I64)
+                out.append(irx.element_ptr(b, base, off, ty))
+            return tuple(out)
+        return tuple(b.inttoptr(irx.load_scalar(b, base, i, I64), PTR) for base in (self.pa, self.pb))
+
+    def tile_pointers(self, a_i, b_i, row0, col0):
+        """Pointers to the tile's first A row (or column) and first B column."""
+        spec, b = self.spec, self.b
+        a_off = row0 if spec.trans_a else b.mul(row0, i64(spec.lda))
+        if spec.trans_b:
+            b_off = b.mul(col0, i64(spec.ldb))
+        else:
+            b_off = b.mul(col0, i64(2)) if spec.vnni_b else col0
+        return (irx.element_ptr(b, a_i, a_off, self.ta), irx.element_ptr(b, b_i, b_off, self.tb))
+
+    # ------------------------------------------------------------ the k loop
+    def k_loop(self, acc, a_tile, b_tile, rows, vectors, counts):
+        """acc after all k steps of one pair; a_tile/b_tile point at the tile's k = 0."""
+        spec, b = self.spec, self.b
+        steps, odd = divmod(spec.k, self.step)
+        unroll = max(1, UNROLL_STEPS // self.step)
+        loops, rest = divmod(steps, unroll)
+        a_step = self.step * (spec.lda if spec.trans_a else 1)      # elements per k step
+        b_step = 1 if spec.trans_b else spec.ldb
+        if loops:
+            with irx.for_carry(b, loops * unroll, acc, step=unroll, name="k") as kl:
+                a_k = irx.element_ptr(b, a_tile, b.mul(kl.index, i64(a_step)), self.ta)
+                b_k = irx.element_ptr(b, b_tile, b.mul(kl.index, i64(b_step)), self.tb)
+                values = kl.values
+                for u in range(unroll):
+                    values = self.k_step(values, a_k, b_k, u, self.step, rows, vectors, counts)
+                kl.values = values
+            acc = kl.values
+        done = loops * unroll
+        a_k = irx.element_ptr(b, a_tile, i64(done * a_step), self.ta)
+        b_k = irx.element_ptr(b, b_tile, i64(done * b_step), self.tb)
+        for u in range(rest):
+            acc = self.k_step(acc, a_k, b_k, u, self.step, rows, vectors, counts)
+        if odd:
+            acc = self.k_step(acc, a_k, b_k, rest, 1, rows, vectors, counts)
+        return acc
+
+    def k_step(self, acc, a_k, b_k, u, width, rows, vectors, counts):
+        """acc after step u (k values u*step .. u*step+width-1 from a_k/b_k)."""
+        b = self.b
+        if self.dot:
+            return self.dot_step(acc, a_k, b_k, u, width, rows, vectors, counts)
+        acc = list(acc)
+        for s in range(width):
+            bvecs = [self.load_b(b_k, u, s, v, counts[v]) for v in range(vectors)]
+            for r in range(rows):
+                a = irx.splat(b, self.load_a(a_k, u * self.step + s, r), self.lanes)
+                for v in range(vectors):
+                    acc[r * vectors + v] = irx.fma(b, a, bvecs[v], acc[r * vectors + v])
+        return acc
+
+    def load_a(self, a_k, kk, r):
+        """A[row r, k step kk] as an f32 scalar."""
+        spec, b = self.spec, self.b
+        off = kk * spec.lda + r if spec.trans_a else r * spec.lda + kk
+        raw = irx.load_scalar(b, a_k, i64(off), self.ta)
+        return _scalar_to_f32(b, raw, spec.dtype_a)
+
+    def load_b(self, b_k, u, s, v, count):
+        """The f32 vector of B[k step u (+ half s of a VNNI pair), columns of vector v]."""
+        spec, b, lanes = self.spec, self.b, self.lanes
+        if spec.vnni_b:
+            pairs = self._load_pairs(b_k, u, v, count)
+            vi = vec(I32, lanes)
+            if spec.dtype_b.name == "bf16":   # the bf16 bits in the high half are the f32
+                half = b.shl(pairs, irx.const(vi, 16)) if s == 0 else \
+                    b.and_(pairs, irx.const(vi, -65536))
+                return b.bitcast(half, vec(F32, lanes))
+            bits = pairs if s == 0 else b.lshr(pairs, irx.const(vi, 16))
+            return irx.to_f32(b, b.bitcast(b.trunc(bits, vec(I16, lanes)), vec(irx.F16, lanes)),
+                              spec.dtype_b)
+        if spec.trans_b:
+            return self.gather_b(b_k, u, v, count)
+        return irx.load_f32(b, b_k, i64(u * spec.ldb + v * lanes), spec.dtype_b, lanes, count)
+
+    def _load_pairs(self, b_k, u, v, count):
+        """The VNNI row u, columns of vector v, as <lanes x i32>: one (even, odd) pair per lane."""
+        row = irx.element_ptr(self.b, b_k, i64(u * self.spec.ldb + 2 * v * self.lanes), I16)
+        return irx.load_vec(self.b, row, i64(0), I32, self.lanes, count, align=2)
+
+    def gather_b(self, b_k, u, v, count):
+        """A vector of a transposed B: element j is at b_k[(v*lanes + j)*ldb + u]."""
+        spec, b, lanes = self.spec, self.b, self.lanes
+        size = spec.dtype_b.itemsize
+        base = irx.splat(b, b.ptrtoint(b_k, I64), lanes)
+        offsets = ir.Constant(vec(I64, lanes), [((v * lanes + j) * spec.ldb + u) * size
+                                                for j in range(lanes)])
+        ptrs = b.inttoptr(b.add(base, offsets), vec(PTR, lanes))
+        vt = vec(self.tb, lanes)
+        active = count if count is not None else lanes
+        fn = irx.intrinsic(b.module, "llvm.masked.gather", vt,
+                           [vec(PTR, lanes), I32, vec(irx.I1, lanes), vt], [vt, vec(PTR, lanes)])
+        raw = b.call(fn, [ptrs, ir.Constant(I32, size), irx.lane_mask(lanes, active),
+                          irx.const(vt, 0)])
+        return irx.to_f32(b, raw, spec.dtype_b)
+
+    def dot_step(self, acc, a_k, b_k, u, width, rows, vectors, counts):
+        """One VNNI pair (or the last single k value when width is 1) through vdpbf16ps."""
+        spec, b, lanes = self.spec, self.b, self.lanes
+        bf = vec(_BFloat(), 2 * lanes)
+        fn = irx.intrinsic(b.module, "llvm.x86.avx512bf16.dpbf16ps.512", vec(F32, lanes),
+                           [vec(F32, lanes), bf, bf], overloads=[])
+        bvecs = [b.bitcast(self._load_pairs(b_k, u, v, counts[v]), bf) for v in range(vectors)]
+        acc = list(acc)
+        for r in range(rows):
+            kk = 2 * u
+            pair = b.zext(self._a_bits(a_k, kk, r), I32)
+            if width == 2:
+                high = b.zext(self._a_bits(a_k, kk + 1, r), I32)
+                pair = b.or_(pair, b.shl(high, ir.Constant(I32, 16)))
+            a = b.bitcast(irx.splat(b, pair, lanes), bf)
+            for v in range(vectors):
+                acc[r * vectors + v] = b.call(fn, [acc[r * vectors + v], a, bvecs[v]])
+        return acc
+
+    def _a_bits(self, a_k, kk, r):
+        spec = self.spec
+        off = kk * spec.lda + r if spec.trans_a else r * spec.lda + kk
+        return irx.load_scalar(self.b, a_k, i64(off), I16)
+
+    # ------------------------------------------------------------ epilogue
+    def epilogue(self, acc, row0, col0, rows, vectors, counts, c_at):
+        spec, b, lanes = self.spec, self.b, self.lanes
+        cols = [b.add(col0, i64(v * lanes)) for v in range(vectors)]
+        bias = None
+        if spec.bias:
+            bias = [irx.load_f32(b, self.pbias, cols[v], spec.dtype_c, lanes, counts[v])
+                    for v in range(vectors)]
+        ctx = mapops.MapContext(b, {"bitmask": spec.bitmask, "approximate": "none"}, lanes)
+        for r in range(rows):
+            for v in range(vectors):
+                x = acc[r * vectors + v]
+                if bias is not None:
+                    x = b.fadd(x, bias[v])
+                if spec.activation is not None:
+                    x = mapops.UNARY[spec.activation](ctx, x)
+                if spec.bitmask:
+                    x, bits = x
+                    row = b.add(row0, i64(r))
+                    byte = b.add(b.mul(row, i64(mask_bytes(spec.n))), b.udiv(cols[v], i64(8)))
+                    irx.store_bits(b, bits, self.pmask, byte, counts[v])
+                irx.store_f32(b, x, self.pc, c_at[r][v], spec.dtype_c, counts[v])
+
+
+def _scalar_to_f32(b, raw, dtype):
+    """Widen one loaded element to f32 (exact)."""
+    if dtype.name == "f32":
+        return raw
+    if dtype.name == "f16":
+        return b.fpext(raw, F32)
+    return b.bitcast(b.shl(b.zext(raw, I32), ir.Constant(I32, 16)), F32)
