@@ -154,12 +154,18 @@ class _Generator:
         if self.dot:
             return self.dot_step(acc, a_k, b_k, u, width, rows, vectors, counts)
         acc = list(acc)
-        for s in range(width):
-            bvecs = [self.load_b(b_k, u, s, v, counts[v]) for v in range(vectors)]
-            for r in range(rows):
-                a = irx.splat(b, self.load_a(a_k, u * self.step + s, r), self.lanes)
+        bvecs = [[self.load_b(b_k, u, s, v, counts[v]) for v in range(vectors)]
+                 for s in range(width)]
+        paired = width == 2 and self.spec.dtype_a.name == "bf16" and not self.spec.trans_a
+        for r in range(rows):
+            # both k values of a row before the next row: A's pair is loaded once
+            for s in range(width):
+                if paired:
+                    a = self.load_a_half(a_k, u * self.step, r, s)
+                else:
+                    a = irx.splat(b, self.load_a(a_k, u * self.step + s, r), self.lanes)
                 for v in range(vectors):
-                    acc[r * vectors + v] = irx.fma(b, a, bvecs[v], acc[r * vectors + v])
+                    acc[r * vectors + v] = irx.fma(b, a, bvecs[s][v], acc[r * vectors + v])
         return acc
 
     def load_a(self, a_k, kk, r):
@@ -168,6 +174,18 @@ class _Generator:
         off = kk * spec.lda + r if spec.trans_a else r * spec.lda + kk
         raw = irx.load_scalar(b, a_k, i64(off), self.ta)
         return _scalar_to_f32(b, raw, spec.dtype_a)
+
+    def load_a_half(self, a_k, kk, r, s):
+        """Broadcast f32 vector of bf16 A[row r, kk + s] (s = 0 or 1), from one 32-bit load of
+        the pair (kk, kk+1) and one shift or mask: cheaper than widening a scalar and moving it
+        into a vector register."""
+        b, lanes = self.b, self.lanes
+        pair = irx.load_scalar(b, irx.element_ptr(b, a_k, i64(r * self.spec.lda + kk), I16),
+                               i64(0), I32, align=2)
+        vi = vec(I32, lanes)
+        pairs = irx.splat(b, pair, lanes)
+        half = b.shl(pairs, irx.const(vi, 16)) if s == 0 else b.and_(pairs, irx.const(vi, -65536))
+        return b.bitcast(half, vec(F32, lanes))
 
     def load_b(self, b_k, u, s, v, count):
         """The f32 vector of B[k step u (+ half s of a VNNI pair), columns of vector v]."""

@@ -1,9 +1,9 @@
 """Register blocking of a BRGEMM: how C is cut into tiles whose accumulators fit the registers.
 
 A tile is R rows by V vectors of `lanes` columns. Per step of k it costs R*V FMAs, V loads of B
-and R broadcasts of A, and it holds R*V accumulators, V B vectors (2V when a VNNI pair is
-widened to f32) and one broadcast A value in registers: R*V + V + 1 <= registers (libxsmm's
-rule). Among the V that fit, the planner takes the one with the fewest estimated cycles per
+and R broadcasts of A, and it holds R*V accumulators, V B vectors and one broadcast A value in
+registers: R*V + V + 1 <= registers (libxsmm's rule). When a VNNI pair is widened to f32 in
+registers, B takes 2V and A two more (its pair and a zero for masking): R*V + 2V + 3. Among the V that fit, the planner takes the one with the fewest estimated cycles per
 k step over the whole C block, where a tile's cycles are the largest of its FMA throughput, the
 FMA latency (too few accumulators leave the pipes idle) and its load throughput.
 
@@ -89,7 +89,8 @@ def plan(m: int, n: int, lanes: int, registers: int, b_regs_per_vector: int = 1)
     max_vectors = 4 if registers >= 32 else 3
     best = None
     for vectors in range(1, min(max_vectors, nvec) + 1):
-        most_rows = (registers - 1 - b_regs_per_vector * vectors) // vectors
+        spare = 1 if b_regs_per_vector == 1 else 3
+        most_rows = (registers - spare - b_regs_per_vector * vectors) // vectors
         if most_rows < 1:
             continue
         rows = split_rows(m, most_rows)

@@ -228,8 +228,9 @@ def with_streaming(b, outputs, body):
             body(False)
 
 
-def load_scalar(b, base, offset, ty):
-    return b.load(element_ptr(b, base, offset, ty), typ=ty, align=_ALIGN[str(ty)])
+def load_scalar(b, base, offset, ty, align: int | None = None):
+    return b.load(element_ptr(b, base, offset, ty), typ=ty,
+                  align=_ALIGN[str(ty)] if align is None else align)
 
 
 def to_f32(b, raw, dtype):
