@@ -8,13 +8,14 @@ A record is one measurement of one provider on one case:
   provider       whose code ran ("tpp", "numpy", "torch", "cffi")
   shape          the block shape, a list of ints ([] when there is none)
   dtype          "f32", ...
-  metric         "bandwidth" (unit "GB/s", higher is better) or "time" (unit "us" or "ms",
-                 lower is better)
+  metric         "bandwidth" (unit "GB/s", higher is better), "compute" (unit "GFLOP/s",
+                 higher is better) or "time" (unit "us" or "ms", lower is better)
   unit           the unit of median, p20 and p80
   median, p20, p80   statistics over the samples, in `unit`; for a rate the p20 is the rate of
                  the 80th-percentile time, so p20 <= median <= p80 always holds
   peak_fraction  for bandwidth: median / the copy bandwidth peak measured in the same run at the
-                 same memory level (extra["peak_level"]); None for other metrics
+                 same memory level (extra["peak_level"]); for compute: median / the FMA (or bf16
+                 dot) peak of the record's dtype measured in the same run; None for time
   ratios         on tpp records: {provider: tpp's speed / that provider's speed} for every other
                  provider measured on the same case and shape in the same run (> 1: tpp is
                  faster); empty on other records
@@ -26,7 +27,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-HIGHER_IS_BETTER = {"bandwidth": True, "flops": True, "time": False}
+HIGHER_IS_BETTER = {"bandwidth": True, "compute": True, "time": False}
 
 # field name -> accepted JSON types (for schema checks; see tests/test_bench_cli.py)
 SCHEMA = {

@@ -134,9 +134,15 @@ def _load_cached(disk, key, symbol, target):
     return None
 
 
+def _optimize(spec, module_ir, target):
+    """LLVM's optimiser; BRGEMM code is emitted vectorised and unrolled already, so its
+    vectorizers and unroller would only cost compile time."""
+    return jit.optimize(module_ir, target, vectorize=spec.family != "brgemm")
+
+
 def build_object(spec, target: Target, symbol: str) -> bytes:
     module_ir = generate_ir(spec, target, symbol)
-    mod = jit.optimize(module_ir, target)
+    mod = _optimize(spec, module_ir, target)
     dump_dir = os.environ.get("TPP_DUMP")
     if dump_dir:
         _dump(Path(dump_dir), symbol, spec, str(module_ir), str(mod), jit.emit_assembly(mod, target))
@@ -159,7 +165,7 @@ def dump(spec, what: str = "asm", target: Target | None = None) -> str:
     module_ir = generate_ir(spec, target, symbol)
     if what == "ir":
         return str(module_ir)
-    mod = jit.optimize(module_ir, target)
+    mod = _optimize(spec, module_ir, target)
     if what == "opt":
         return str(mod)
     if what == "asm":

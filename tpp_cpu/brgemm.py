@@ -29,6 +29,7 @@ from .brgemm_blocking import plan
 from .irx import F32, I16, I32, I64, PTR, i64, vec
 
 UNROLL_STEPS = 8     # k steps per iteration of the k loop
+LOOPED_ACTIVATIONS = ("gelu", "sigmoid", "tanh")   # long vector code: one copy per column
 
 
 class _BFloat(ir.Type):
@@ -64,6 +65,11 @@ class _Generator:
         registers = 32 if target.lanes == 16 else 16
         widened = 2 if (spec.vnni_b and not self.dot) else 1
         self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened)
+        self.scratch = None
+        if spec.activation in LOOPED_ACTIVATIONS:   # in the entry block: one fixed stack slot
+            most = max(rg.rows for rg in self.blocking.row_groups) * \
+                max(cg.vectors for cg in self.blocking.col_groups)
+            self.scratch = b.alloca(vec(F32, target.lanes), size=most, name="tile")
 
     # ------------------------------------------------------------ tiles
     def emit(self):
@@ -251,26 +257,46 @@ class _Generator:
 
     # ------------------------------------------------------------ epilogue
     def epilogue(self, acc, row0, col0, rows, vectors, counts, c_at):
+        """bias, activation, bitmask and the store of a tile. Costly activations run in a loop
+        over the tile's rows from a stack copy of the accumulators, so their code is emitted
+        once per vector column rather than once per accumulator (compile time, code size)."""
         spec, b, lanes = self.spec, self.b, self.lanes
         cols = [b.add(col0, i64(v * lanes)) for v in range(vectors)]
         bias = None
         if spec.bias:
             bias = [irx.load_f32(b, self.pbias, cols[v], spec.dtype_c, lanes, counts[v])
                     for v in range(vectors)]
-        ctx = mapops.MapContext(b, {"bitmask": spec.bitmask, "approximate": "none"}, lanes)
-        for r in range(rows):
+        if spec.activation not in LOOPED_ACTIVATIONS:
+            for r in range(rows):
+                for v in range(vectors):
+                    self.finish(acc[r * vectors + v], b.add(row0, i64(r)), cols[v], bias, v,
+                                counts[v], c_at[r][v])
+            return
+        vt = vec(F32, lanes)
+        for k, value in enumerate(acc):
+            b.store(value, b.gep(self.scratch, [i64(k)], source_etype=vt), align=4)
+        with irx.for_range(b, rows, name="erow") as r:
+            row = b.add(row0, r)
             for v in range(vectors):
-                x = acc[r * vectors + v]
-                if bias is not None:
-                    x = b.fadd(x, bias[v])
-                if spec.activation is not None:
-                    x = mapops.UNARY[spec.activation](ctx, x)
-                if spec.bitmask:
-                    x, bits = x
-                    row = b.add(row0, i64(r))
-                    byte = b.add(b.mul(row, i64(mask_bytes(spec.n))), b.udiv(cols[v], i64(8)))
-                    irx.store_bits(b, bits, self.pmask, byte, counts[v])
-                irx.store_f32(b, x, self.pc, c_at[r][v], spec.dtype_c, counts[v])
+                slot = b.add(b.mul(r, i64(vectors)), i64(v))
+                x = b.load(b.gep(self.scratch, [slot], source_etype=vt), typ=vt, align=4)
+                at = b.add(b.mul(row, i64(spec.ldc)), cols[v])
+                self.finish(x, row, cols[v], bias, v, counts[v], at)
+
+    def finish(self, x, row, col, bias, v, count, c_offset):
+        """One accumulator vector through bias, activation and bitmask into C."""
+        spec, b = self.spec, self.b
+        if bias is not None:
+            x = b.fadd(x, bias[v])
+        if spec.activation is not None:
+            ctx = mapops.MapContext(b, {"bitmask": spec.bitmask, "approximate": "none"},
+                                    self.lanes)
+            x = mapops.UNARY[spec.activation](ctx, x)
+        if spec.bitmask:
+            x, bits = x
+            byte = b.add(b.mul(row, i64(mask_bytes(spec.n))), b.udiv(col, i64(8)))
+            irx.store_bits(b, bits, self.pmask, byte, count)
+        irx.store_f32(b, x, self.pc, c_offset, spec.dtype_c, count)
 
 
 def _scalar_to_f32(b, raw, dtype):

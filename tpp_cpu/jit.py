@@ -36,8 +36,10 @@ def target_machine(target):
         cpu=cpu, features=features, opt=3, reloc="pic", codemodel="default")
 
 
-def optimize(module_ir, target):
-    """Parse, verify and optimise (O3) an llvmlite.ir module; returns a binding ModuleRef."""
+def optimize(module_ir, target, level: int = 3, vectorize: bool = True):
+    """Parse, verify and optimise (O`level`) an llvmlite.ir module; returns a ModuleRef.
+    vectorize=False skips LLVM's loop/SLP vectorizers and unroller, for generators that emit
+    vector code already unrolled (they only cost compile time there)."""
     b = llvm()
     module_ir.triple = b.get_default_triple()
     tm = target_machine(target)
@@ -48,7 +50,10 @@ def optimize(module_ir, target):
     except RuntimeError as exc:  # a generator bug, never a user error
         raise CompileError(f"generated IR does not verify: {exc}") from exc
     with _LOCK:
-        tuning = b.create_pipeline_tuning_options(speed_level=3)
+        tuning = b.create_pipeline_tuning_options(speed_level=level)
+        if not vectorize:
+            tuning.loop_vectorization = tuning.slp_vectorization = False
+            tuning.loop_unrolling = tuning.loop_interleaving = False
         builder = b.create_pass_builder(tm, tuning)
         builder.getModulePassManager().run(mod, builder)
     return mod

@@ -84,7 +84,8 @@ class Context:
     records: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # cases skipped or failed, and why
     done: set = field(default_factory=set)
-    peaks: dict = field(default_factory=dict)      # memory level -> copy bandwidth peak, GB/s
+    # "cache"/"dram" -> copy bandwidth peak (GB/s); "f32"/"bf16" -> compute peak (GFLOP/s)
+    peaks: dict = field(default_factory=dict)
     _torch: object = None
     _torch_checked: bool = False
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the suites: memory levels, tpp call paths, bandwidth records."""
+"""Helpers shared by the suites: memory levels, tpp call paths, bandwidth/compute/time records."""
 from __future__ import annotations
 
 import itertools
@@ -102,6 +102,22 @@ def bandwidth_record(ctx, *, suite: str, case: str, provider: str, shape, stats:
         info["peak_gbps"] = peak
     return ctx.add(Record(suite=suite, case=case, provider=provider, shape=list(shape),
                           dtype=dtype, metric="bandwidth", unit="GB/s", median=median, p20=p20,
+                          p80=p80, peak_fraction=(median / peak) if peak else None, extra=info))
+
+
+def compute_record(ctx, *, suite: str, case: str, provider: str, shape, stats: Stats,
+                   flops: int, dtype: str = "f32", **extra) -> Record:
+    """A GFLOP/s record of a case doing `flops` floating-point operations per call, with its
+    fraction of the compute peak the peak suite measured for `dtype` (ctx.peaks[dtype])."""
+    median, p20, p80 = (v / 1e9 for v in stats.rate(flops))
+    peak = ctx.peaks.get(dtype)
+    info = {"flops_per_call": int(flops), "samples": stats.samples,
+            "calls_per_sample": stats.calls_per_sample, "time_median_s": stats.median}
+    info.update(extra)
+    if peak:
+        info["peak_gflops"] = peak
+    return ctx.add(Record(suite=suite, case=case, provider=provider, shape=list(shape),
+                          dtype=dtype, metric="compute", unit="GFLOP/s", median=median, p20=p20,
                           p80=p80, peak_fraction=(median / peak) if peak else None, extra=info))
 
 

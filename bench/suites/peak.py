@@ -1,21 +1,31 @@
-"""peak: the machine's streaming bandwidth, from a copy, as every bandwidth figure's yardstick.
+"""peak: the yardsticks: one core's compute peak and the machine's streaming bandwidth.
 
-A copy of an f32 block, at a cache-resident size (the working set fits the per-core L2) and at a
-DRAM size (far beyond the last-level cache), by the library's own `identity` kernel and by
-numpy's `np.copyto`. Bytes counted: read + written (2 * m * n * 4); write-allocate traffic, which
-a non-temporal store avoids, is not counted. The best of the providers at each level is the
-peak that `peak_fraction` divides by.
+Compute: the register-resident probe of `tpp_cpu.peak_probe` (independent FMA chains, no
+memory traffic), in GFLOP/s: case "fma f32" (vfmadd231ps) and "dot bf16" (vdpbf16ps where the
+target has avx512_bf16; elsewhere bf16 is computed with f32 FMAs, so its record repeats the f32
+figure with extra["via"] saying so). They become ctx.peaks["f32"] and ctx.peaks["bf16"], the
+denominators of every compute record's `peak_fraction`.
+
+Bandwidth: a copy of an f32 block, at a cache-resident size (the working set fits the per-core
+L2) and at a DRAM size (far beyond the last-level cache), by the library's own `identity`
+kernel and by numpy's `np.copyto`. Bytes counted: read + written (2 * m * n * 4);
+write-allocate traffic, which a non-temporal store avoids, is not counted. The best of the
+providers at each level is the peak that `peak_fraction` divides by.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import register
-from ._common import (bandwidth_record, call_path, empty, filled, memory_level, timed_group,
-                      tpp_runner)
+from ..timing import looped
+from ._common import (bandwidth_record, call_path, compute_record, empty, filled, memory_level,
+                      timed, timed_group, tpp_runner)
 
 SIZES = {"cache": (128, 256), "dram": (4096, 4096)}
 TINY_SIZES = {"cache": (32, 256), "dram": (1024, 1024)}
+PROBE_ITERATIONS = 20_000      # loop trips per call of the compute probe: ~0.5 ms
+TINY_PROBE_ITERATIONS = 500
+COMPUTE_CASES = {"f32": "fma f32", "bf16": "dot bf16"}
 
 
 def sizes(ctx) -> dict:
@@ -23,8 +33,44 @@ def sizes(ctx) -> dict:
 
 
 @register("peak", default=True,
-          help="copy bandwidth at a cache-resident and a DRAM size (tpp identity, np.copyto)")
+          help="compute peak (FMA/bf16-dot probe) and copy bandwidth at a cache-resident and a "
+               "DRAM size (tpp identity, np.copyto)")
 def run(ctx):
+    compute(ctx)
+    bandwidth(ctx)
+
+
+def compute(ctx):
+    """GFLOP/s of the compute probe of each kind; sets ctx.peaks["f32"] and ctx.peaks["bf16"].
+    It runs whatever --providers says: it is the machine's yardstick, not a contender."""
+    iterations = TINY_PROBE_ITERATIONS if ctx.config.tiny else PROBE_ITERATIONS
+    measured = {}   # instruction -> Stats: a kind computed by another kind's probe reuses it
+    for kind, case in COMPUTE_CASES.items():
+        try:
+            from tpp_cpu import peak_probe
+            probe = peak_probe.build(kind)
+        except Exception as exc:  # noqa: BLE001
+            ctx.failed(f"peak {case}", exc)
+            continue
+        stats = measured.get(probe.instruction)
+        if stats is None:
+            stats = timed(ctx, f"peak {case}", looped(probe, iterations))
+            if stats is None:
+                continue
+            measured[probe.instruction] = stats
+        flops = probe.flops_per_iteration * iterations
+        ctx.peaks[kind] = flops / stats.median / 1e9
+        extra = {"instruction": probe.instruction}
+        if probe.via:
+            extra["via"] = probe.via
+            ctx.note(f"peak {case}: measured via {probe.via}: the bf16 peak is the f32 one")
+        compute_record(ctx, suite="peak", case=case, provider="tpp", shape=(), stats=stats,
+                       flops=flops, dtype=kind, iterations=iterations,
+                       flops_per_iteration=probe.flops_per_iteration, **extra)
+
+
+def bandwidth(ctx):
+    """Copy GB/s at each memory level; sets ctx.peaks["cache"] and ctx.peaks["dram"]."""
     for level, (m, n) in sizes(ctx).items():
         nbytes = 2 * m * n * 4
         assert memory_level(nbytes) == level, (level, nbytes)
