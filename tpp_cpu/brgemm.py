@@ -29,6 +29,7 @@ from .brgemm_blocking import plan
 from .irx import F32, I16, I32, I64, PTR, i64, vec
 
 UNROLL_STEPS = 8     # k steps per iteration of the k loop
+STRAIGHT_STEPS = 16  # up to this many k steps, no k loop at all
 LOOPED_ACTIVATIONS = ("gelu", "sigmoid", "tanh")   # long vector code: one copy per column
 
 
@@ -133,6 +134,8 @@ class _Generator:
         spec, b = self.spec, self.b
         steps, odd = divmod(spec.k, self.step)
         unroll = max(1, UNROLL_STEPS // self.step)
+        if spec.k <= STRAIGHT_STEPS:
+            unroll = steps + 1          # no loop: every step in the remainder
         loops, rest = divmod(steps, unroll)
         a_step = self.step * (spec.lda if spec.trans_a else 1)      # elements per k step
         b_step = 1 if spec.trans_b else spec.ldb
