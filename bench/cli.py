@@ -1,6 +1,6 @@
 """tpp-bench: the microbenchmark command line.
 
-    tpp-bench                         the default suites (peak, eltwise, overhead; ~20 s)
+    tpp-bench                         the default suites (peak, eltwise, overhead, brgemm; ~20 s)
     tpp-bench eltwise jit             named suites
     tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
     tpp-bench info                    the machine, the selected target, library versions
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tpp-bench",
         description="Microbenchmarks of the TPP library, each figure a ratio measured in the "
-                    "same run: against the machine's copy-bandwidth peak and against numpy and "
-                    "torch on the same shapes.",
+                    "same run: against the machine's compute peak or copy-bandwidth peak and "
+                    "against numpy and torch on the same shapes.",
         epilog="suites: 'info', or see --list. Without a suite: the default set, quickly.")
     p.add_argument("suites", nargs="*", metavar="SUITE",
                    help="suites to run (default: the quick default set); 'info' describes the "

@@ -71,6 +71,8 @@ _TITLES = {
     "overhead": "overhead: per-call time of a 64x64 f32 relu (us); cffi = an empty function, "
                 "the floor; vs X = X time / tpp time",
     "jit": "jit: kernel compile and load times (ms)",
+    "brgemm": "brgemm: GFLOP/s (2*m*n*k*batch / median time), shape = m x n x k x batch; "
+              "tpp/peak = of the FMA (bf16: dot) peak; vs X = tpp speed / X speed",
 }
 
 

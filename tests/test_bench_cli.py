@@ -49,6 +49,8 @@ def _check_schema(records):
         assert r["p20"] <= r["median"] * (1 + 1e-9) and r["median"] <= r["p80"] * (1 + 1e-9), r
         if r["metric"] == "bandwidth":
             assert r["unit"] == "GB/s"
+        elif r["metric"] == "compute":
+            assert r["unit"] == "GFLOP/s"
         else:
             assert r["metric"] == "time" and r["unit"] in ("us", "ms")
             assert r["peak_fraction"] is None
@@ -117,6 +119,25 @@ def test_tiny_run_json_schema(tmp_path, capsys):
             assert r["extra"]["path"] == "raw"
     overhead = {(r["case"], r["provider"]) for r in records if r["suite"] == "overhead"}
     assert ("call_raw", "cffi") in overhead
+
+
+def test_tiny_peak_has_compute_records(tmp_path, capsys):
+    """The compute probe runs whatever the providers, and stands in for bf16 where the host
+    has no bf16 dot instruction."""
+    from tpp_cpu import target
+    path = tmp_path / "out.json"
+    assert cli.main(["peak", "--tiny", "--providers", "numpy", "-q", "--plain",
+                     "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    compute = {r["case"]: r for r in records if r["metric"] == "compute"}
+    assert set(compute) == {"fma f32", "dot bf16"}
+    for r in compute.values():
+        assert r["suite"] == "peak" and r["provider"] == "tpp" and r["peak_fraction"] == 1.0
+    assert compute["fma f32"]["extra"]["instruction"] == "vfmadd231ps"
+    if not target.current().bf16_dot:
+        assert compute["dot bf16"]["extra"]["via"].startswith("f32 fma")
+        assert compute["dot bf16"]["median"] == compute["fma f32"]["median"]
 
 
 def test_eltwise_alone_runs_peak_first(tmp_path, capsys):

@@ -33,19 +33,6 @@ STRAIGHT_STEPS = 16  # up to this many k steps, no k loop at all
 LOOPED_ACTIVATIONS = ("gelu", "sigmoid", "tanh")   # long vector code: one copy per column
 
 
-class _BFloat(ir.Type):
-    """LLVM's bfloat, which llvmlite.ir lacks (the operand type of the dpbf16ps intrinsic)."""
-
-    def _to_string(self):
-        return "bfloat"
-
-    def __eq__(self, other):
-        return isinstance(other, _BFloat)
-
-    def __hash__(self):
-        return hash("bfloat")
-
-
 def generate(spec, target, symbol: str) -> ir.Module:
     module, b, (pa, pb, pc, pbias, pmask), (count, arg_a, arg_b) = irx.new_kernel(symbol, 5, 3)
     _Generator(spec, target, b, pa, pb, pc, pbias, pmask, count, arg_a, arg_b).emit()
@@ -237,10 +224,7 @@ class _Generator:
     def dot_step(self, acc, a_k, b_k, u, width, rows, vectors, counts):
         """One VNNI pair (or the last single k value when width is 1) through vdpbf16ps."""
         spec, b, lanes = self.spec, self.b, self.lanes
-        bf = vec(_BFloat(), 2 * lanes)
-        fn = irx.intrinsic(b.module, "llvm.x86.avx512bf16.dpbf16ps.512", vec(F32, lanes),
-                           [vec(F32, lanes), bf, bf], overloads=[])
-        bvecs = [b.bitcast(self._load_pairs(b_k, u, v, counts[v]), bf) for v in range(vectors)]
+        bvecs = [self._load_pairs(b_k, u, v, counts[v]) for v in range(vectors)]
         acc = list(acc)
         for r in range(rows):
             kk = 2 * u
@@ -248,9 +232,9 @@ class _Generator:
             if width == 2:
                 high = b.zext(self._a_bits(a_k, kk + 1, r), I32)
                 pair = b.or_(pair, b.shl(high, ir.Constant(I32, 16)))
-            a = b.bitcast(irx.splat(b, pair, lanes), bf)
+            a = irx.splat(b, pair, lanes)
             for v in range(vectors):
-                acc[r * vectors + v] = b.call(fn, [acc[r * vectors + v], a, bvecs[v]])
+                acc[r * vectors + v] = irx.dpbf16(b, acc[r * vectors + v], a, bvecs[v])
         return acc
 
     def _a_bits(self, a_k, kk, r):

@@ -21,6 +21,22 @@ I64 = ir.IntType(64)
 PTR = ir.PointerType()
 
 
+class _BFloat(ir.Type):
+    """LLVM's `bfloat`, which llvmlite.ir lacks (the operand type of vdpbf16ps)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+BFLOAT = _BFloat()
+
+
 def vec(ty, w: int) -> ir.VectorType:
     return ir.VectorType(ty, w)
 
@@ -81,6 +97,15 @@ def call(b: ir.IRBuilder, base: str, *args, ret=None, overloads=None):
 
 def fma(b, x, y, z):
     return call(b, "llvm.fma", x, y, z)
+
+
+def dpbf16(b, acc, x, y):
+    """vdpbf16ps: acc[j] += x[2j]*y[2j] + x[2j+1]*y[2j+1]; acc <w x f32>, x and y any 64-byte
+    vectors holding 2w bf16 values (bitcast here). Needs avx512_bf16 (w = 16)."""
+    w = acc.type.count
+    bf = vec(BFLOAT, 2 * w)
+    fn = intrinsic(b.module, "llvm.x86.avx512bf16.dpbf16ps.512", acc.type, [acc.type, bf, bf], [])
+    return b.call(fn, [acc, b.bitcast(x, bf), b.bitcast(y, bf)])
 
 
 def fabs(b, x):

@@ -25,7 +25,7 @@ from ..records import Record
 from ..timing import Settings
 
 # modules of this package that define suites, imported by load(); order is the listing order
-BUILTIN = ("peak", "eltwise", "overhead", "jit")
+BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm")
 
 
 @dataclass(frozen=True)
