@@ -3,8 +3,8 @@ across the whole batch.
 
 Shape of the code (see brgemm_blocking for the tile sizes):
 
-    for each column group, for each tile of columns:           (loops)
-      for each row group, for each tile of rows:                (loops)
+    for each row group, for each tile of rows:                 (loops; A's rows stay in L1
+      for each column group, for each tile of columns:          across the column tiles)
         acc[R][V] = beta ? C tile : 0                           (registers)
         for i in range(count):                                  (A_i, B_i from the batch mode)
           for each k step (unrolled by UNROLL steps, remainder unrolled):
@@ -17,6 +17,9 @@ multiplied with f32 FMAs. A VNNI-packed B row holds two k steps: as 32-bit lanes
 halves are B[2p, :] and the high halves B[2p+1, :]. On hosts with avx512_bf16 and bf16 A and
 VNNI B, a pair of k steps is one `vdpbf16ps` instead. A transposed B is read with gathers (its
 columns are strided), correct but slower than packing B with the transpose TPP first.
+
+No software prefetch: prefetching the next pair's B rows measured 4-6% slower on Zen 3 (the
+blocks are cache-resident and the prefetches compete for the load ports).
 """
 from __future__ import annotations
 
@@ -62,13 +65,12 @@ class _Generator:
     # ------------------------------------------------------------ tiles
     def emit(self):
         b, lanes = self.b, self.lanes
-        for cg in self.blocking.col_groups:
-            width = cg.vectors * lanes
-            with irx.for_range(b, cg.count, name="ntile") as j:
-                col0 = b.add(i64(cg.start), b.mul(j, i64(width)))
-                for rg in self.blocking.row_groups:
-                    with irx.for_range(b, rg.count, name="mtile") as i:
-                        row0 = b.add(i64(rg.start), b.mul(i, i64(rg.rows)))
+        for rg in self.blocking.row_groups:
+            with irx.for_range(b, rg.count, name="mtile") as i:
+                row0 = b.add(i64(rg.start), b.mul(i, i64(rg.rows)))
+                for cg in self.blocking.col_groups:
+                    with irx.for_range(b, cg.count, name="ntile") as j:
+                        col0 = b.add(i64(cg.start), b.mul(j, i64(cg.vectors * lanes)))
                         self.tile(row0, col0, rg.rows, cg.vectors, cg.tail)
 
     def _counts(self, vectors, tail):
