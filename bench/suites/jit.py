@@ -32,7 +32,7 @@ from . import register
 from ._common import time_record
 from ..timing import summarize
 
-OPS = ("relu", "gelu")
+OPS = ("relu", "gelu", "brgemm")   # brgemm: f32, (m, 64) x (64, n), stride batch
 N = 64
 LOAD_M = 64           # the spec the load processes find in the cache
 LOAD_NEXT_M = 63      # the second one they load
@@ -44,6 +44,8 @@ cfg = json.loads(sys.argv[1])
 clock = time.thread_time if cfg["clock"] == "cpu" else time.perf_counter
 import numpy
 import tpp
+def make(op, m, n):
+    return tpp.brgemm(m, n, 64) if op == "brgemm" else tpp.unary(op, m, n)
 res = {"first": None, "cold": {}, "errors": {}}
 t0 = clock()
 tpp.unary("identity", 8, 8).compile()
@@ -52,12 +54,12 @@ for op in cfg["ops"]:
     times = []
     try:
         for r in range(cfg["reps"]):
-            k = tpp.unary(op, cfg["m0"] + r, cfg["n"])
+            k = make(op, cfg["m0"] + r, cfg["n"])
             t0 = clock()
             k.compile()
             times.append(clock() - t0)
         for m in cfg["warm_ms"]:
-            tpp.unary(op, m, cfg["n"]).compile()
+            make(op, m, cfg["n"]).compile()
     except Exception as exc:
         res["errors"][op] = f"{type(exc).__name__}: {exc}"
     res["cold"][op] = times
@@ -74,11 +76,13 @@ before = len([f for f in os.listdir(os.environ["TPP_CACHE_DIR"]) if f.endswith("
 t0 = clock()
 import tpp
 t_import = clock() - t0
-k = tpp.unary(cfg["op"], cfg["m"], cfg["n"])
+def make(op, m, n):
+    return tpp.brgemm(m, n, 64) if op == "brgemm" else tpp.unary(op, m, n)
+k = make(cfg["op"], cfg["m"], cfg["n"])
 t0 = clock()
 k.compile()
 t_load = clock() - t0
-k2 = tpp.unary(cfg["op"], cfg["m_next"], cfg["n"])
+k2 = make(cfg["op"], cfg["m_next"], cfg["n"])
 t0 = clock()
 k2.compile()
 t_next = clock() - t0
