@@ -14,6 +14,7 @@ setup(
         "torch": ["torch==2.13.0"],
         "cuda": ["cupy-cuda12x"],
         "bench": ["rich>=13", "torch==2.13.0"],
+        "plot": ["matplotlib"],
         "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "torch==2.13.0", "rich>=13"],
     },
     entry_points={"console_scripts": ["tpp-bench=bench.cli:main"]},

@@ -7,6 +7,9 @@ the `peak` suite) and against numpy and torch on the same shapes. Layout:
   bench/timing.py     the measuring method (warm-up, calibrated loops, median/p20/p80)
   bench/records.py    the result record (the --json schema) and ratios between providers
   bench/report.py     the tables
+  bench/export.py     --csv
+  bench/plot.py       --plot (bar charts per suite, the roofline; matplotlib)
+  bench/progress.py   the progress line on stderr (rich, on a terminal)
   bench/info.py       `tpp-bench info`
   bench/suites/       the registry (`@register("name")`) and one module per suite
 

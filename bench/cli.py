@@ -3,6 +3,7 @@
     tpp-bench                         the default suites (peak, eltwise, overhead, brgemm; ~20 s)
     tpp-bench eltwise jit             named suites
     tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
+    tpp-bench brgemm --dtype bf16 --csv out.csv --plot out.png   (out-brgemm.png, ...)
     tpp-bench info                    the machine, the selected target, library versions
     tpp-bench --list                  the suites
 
@@ -77,14 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shorter measurements (noisier figures)")
     p.add_argument("--json", metavar="FILE",
                    help="write the records as a JSON list to FILE ('-' for stdout)")
+    p.add_argument("--csv", metavar="FILE",
+                   help="write the records as CSV to FILE ('-' for stdout; columns as in the "
+                        "JSON, without extra)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write a bar chart per suite to FILE-<suite>.png and a roofline to "
+                        "FILE-roofline.png (needs matplotlib)")
     p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
                    help="threads for numpy/torch (default 1: the benchmarks are single-threaded)")
     p.add_argument("--shapes", type=_shape_list, metavar="MxN[,MxN...]",
                    help="block shapes for the eltwise suite (default 64x64,4096x4096)")
     p.add_argument("--providers", default="tpp,numpy,torch", metavar="LIST",
                    help="comma-separated providers to measure (default tpp,numpy,torch)")
-    p.add_argument("--backend", choices=("cpu", "all"), default="cpu",
-                   help="where to run (only cpu exists so far)")
+    p.add_argument("--dtype", metavar="LIST",
+                   help="comma-separated dtypes of the cases to run (default: all; "
+                        "f32, bf16); the peak suite's yardsticks always run")
+    p.add_argument("--backend", choices=("cpu", "cuda", "all"), default="cpu",
+                   help="where to run: cpu; 'all' = every backend there is (cpu: there is no "
+                        "CUDA backend yet)")
     p.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
                    help="what a sample's duration is: 'cpu' = this thread's CPU time (immune to "
                         "being descheduled on a shared machine), 'wall' = elapsed time; 'auto' "
@@ -106,17 +117,45 @@ def pin_threads(threads: int) -> None:
         os.environ[var] = str(threads)
 
 
+def _check(args, parser):
+    """Usage errors found after parsing (raises _Exit(2) through parser.error)."""
+    if args.backend == "cuda":
+        parser.error("no CUDA backend: this library only generates CPU code so far; use "
+                     "--backend cpu (or all)")
+    if args.csv == "-" and args.json == "-":
+        parser.error("--csv - and --json -: only one of them can write to stdout")
+    if args.plot == "-":
+        parser.error("--plot needs a file name such as out.png")
+    if args.plot:
+        from . import plot
+        if not plot.available():
+            parser.error("--plot needs matplotlib: pip install matplotlib "
+                         "(or pip install -e '.[plot]')")
+
+
+def _dtypes(args, parser) -> tuple:
+    from .suites import DTYPES
+    if args.dtype is None:
+        return DTYPES
+    dtypes = tuple(d.strip() for d in args.dtype.split(",") if d.strip())
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        parser.error(f"unknown dtype(s): {', '.join(bad) or '(none given)'}; "
+                     f"known: {', '.join(DTYPES)}")
+    return dtypes
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        pin_threads(args.threads)    # first: the --plot check imports matplotlib, hence numpy
+        _check(args, parser)
     except _Exit as e:
         return e.status
 
-    pin_threads(args.threads)
-
     from . import suites as registry
-    from .records import fill_ratios, write_json
+    from .records import fill_ratios
 
     known = registry.load()
     if args.list:
@@ -143,6 +182,10 @@ def main(argv=None) -> int:
                          f"known: tpp, numpy, torch")
         except _Exit as e:
             return e.status
+    try:
+        dtypes = _dtypes(args, parser)
+    except _Exit as e:
+        return e.status
 
     from . import info as sysinfo
 
@@ -153,12 +196,8 @@ def main(argv=None) -> int:
         if not names:
             if args.json:
                 import json
-                text = json.dumps(details, indent=1)
-                if args.json == "-":
-                    print(text)
-                else:
-                    with open(args.json, "w") as f:
-                        f.write(text + "\n")
+                from .records import write_text
+                write_text(json.dumps(details, indent=1), args.json)
             return 0
         print()
 
@@ -167,23 +206,31 @@ def main(argv=None) -> int:
     clock = args.clock if args.clock != "auto" else ("cpu" if args.threads == 1 else "wall")
     config = registry.Config(quick=args.quick, tiny=args.tiny, shapes=args.shapes,
                              clock=clock,
-                             threads=args.threads, providers=providers, verify=args.verify,
+                             threads=args.threads, providers=providers, dtypes=dtypes,
+                             verify=args.verify,
                              verbose=not args.quiet)
     ctx = registry.Context(config)
+    from . import progress
+    bar = progress.start(config.verbose)
+    ctx.progress = bar.step if bar else None
     t0 = time.perf_counter()
     status = 0
-    for name in names:
-        try:
-            ctx.run(name)
-        except KeyboardInterrupt:
-            ctx.note(f"interrupted during {name}")
-            status = 130
-            break
-        except Exception as exc:  # noqa: BLE001 - report, keep what was measured
-            import traceback
-            traceback.print_exc(file=sys.stderr)
-            ctx.failed(f"suite {name} crashed", exc)
-            status = 1
+    try:
+        for name in names:
+            try:
+                ctx.run(name)
+            except KeyboardInterrupt:
+                ctx.note(f"interrupted during {name}")
+                status = 130
+                break
+            except Exception as exc:  # noqa: BLE001 - report, keep what was measured
+                import traceback
+                traceback.print_exc(file=sys.stderr)
+                ctx.failed(f"suite {name} crashed", exc)
+                status = 1
+    finally:
+        if bar:
+            bar.stop()
     fill_ratios(ctx.records)
 
     details = sysinfo.collect()
@@ -191,13 +238,28 @@ def main(argv=None) -> int:
     header = (f"tpp-bench | {sysinfo.summary_line(details)} | threads {config.threads} | "
               f"{mode} | clock {clock} | {time.perf_counter() - t0:.0f} s")
     from . import report
-    # with --json - the records go to stdout, so the table goes to stderr
+    # with --json - or --csv - the records go to stdout, so the table goes to stderr
+    to_stdout = "-" in (args.json, args.csv)
     report.render(ctx.records, ctx.notes, header=header, plain=args.plain,
-                  file=sys.stderr if args.json == "-" else sys.stdout)
-    if args.json:
+                  file=sys.stderr if to_stdout else sys.stdout)
+    return _write_outputs(args, ctx.records) or status
+
+
+def _write_outputs(args, records) -> int:
+    """--json, --csv, --plot; 1 if one could not be written, else 0."""
+    from .export import write_csv
+    from .records import write_json
+    writers = [(args.json, write_json), (args.csv, write_csv)]
+    if args.plot:
+        from .plot import write_plots
+        writers.append((args.plot, write_plots))
+    rc = 0
+    for path, write in writers:
+        if not path:
+            continue
         try:
-            write_json(ctx.records, args.json)
+            write(records, path)
         except OSError as exc:
-            print(f"tpp-bench: cannot write {args.json}: {exc}", file=sys.stderr)
-            return 1
-    return status
+            print(f"tpp-bench: cannot write {path}: {exc}", file=sys.stderr)
+            rc = 1
+    return rc

@@ -89,9 +89,13 @@ def fill_ratios(records) -> None:
 
 def write_json(records, path) -> None:
     data = [r.to_dict() for r in records]
-    text = json.dumps(data, indent=1, allow_nan=False)
+    write_text(json.dumps(data, indent=1, allow_nan=False), path)
+
+
+def write_text(text: str, path) -> None:
+    """Write text (plus a final newline) to the file `path`, or to stdout when path is '-'."""
     if str(path) == "-":
         print(text)
         return
-    with open(path, "w") as f:
+    with open(path, "w", newline="") as f:
         f.write(text + "\n")

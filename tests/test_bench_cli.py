@@ -209,3 +209,92 @@ def test_ratios_follow_the_metric():
     fill_ratios(bw + t)
     assert bw[0].ratios == {"numpy": pytest.approx(3.0)} and bw[1].ratios == {}
     assert t[0].ratios == {"numpy": pytest.approx(4.0)}
+
+
+# ------------------------------------------------------------------ --csv, --dtype, --backend, --plot
+@pytest.mark.parametrize("argv, message", [
+    (["brgemm", "--dtype", "f64"], "unknown dtype"),
+    (["brgemm", "--dtype", ","], "unknown dtype"),
+    (["--backend", "cuda"], "no CUDA backend"),
+    (["--backend", "tpu"], "--backend"),
+    (["--json", "-", "--csv", "-"], "stdout"),
+])
+def test_new_usage_errors(argv, message, capsys):
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "usage: tpp-bench" in err and message in err
+    assert out == ""
+
+
+def test_csv_matches_json(tmp_path, capsys):
+    import csv
+    from bench.export import COLUMNS
+    jpath, cpath = tmp_path / "out.json", tmp_path / "out.csv"
+    assert cli.main(["overhead", "peak", "--tiny", "-q", "--plain", "--providers", "tpp,numpy",
+                     "--json", str(jpath), "--csv", str(cpath)]) == 0
+    records = json.loads(jpath.read_text())
+    lines = cpath.read_text().splitlines()
+    assert lines[0] == ",".join(COLUMNS)
+    rows = list(csv.DictReader(lines))
+    assert len(rows) == len(records)
+    for row, r in zip(rows, records):
+        for key in ("suite", "case", "backend", "provider", "dtype", "metric", "unit"):
+            assert row[key] == r[key]
+        assert row["shape"] == "x".join(map(str, r["shape"]))
+        for key in ("median", "p20", "p80"):
+            assert float(row[key]) == r[key]
+        assert row["peak_fraction"] == ("" if r["peak_fraction"] is None
+                                        else repr(float(r["peak_fraction"])))
+        ratios = dict(p.split("=") for p in row["ratios"].split(";")) if row["ratios"] else {}
+        assert set(ratios) == set(r["ratios"])
+        for p, v in ratios.items():
+            assert float(v) == pytest.approx(r["ratios"][p], rel=1e-2)
+    assert any(row["ratios"] for row in rows)   # tpp vs numpy on the copy and overhead cases
+
+
+def test_csv_to_stdout(capsys):
+    assert cli.main(["overhead", "--tiny", "-q", "--plain", "--providers", "tpp",
+                     "--csv", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("suite,case,backend,provider,shape")
+    assert "overhead" in err    # the table went to stderr
+
+
+def test_dtype_filters_cases(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert cli.main(["brgemm", "overhead", "--tiny", "-q", "--plain", "--providers", "tpp",
+                     "--dtype", "bf16", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    measured = [r for r in records if r["suite"] != "peak"]   # the yardsticks always run
+    assert measured and {r["dtype"] for r in measured} == {"bf16"}
+    assert {r["suite"] for r in measured} == {"brgemm"}
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` fails
+    assert cli.main(["overhead", "--tiny", "-q", "--plot", str(tmp_path / "x.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "pip install matplotlib" in err and out == ""
+    assert not list(tmp_path.iterdir())
+
+
+def test_plot_writes_pngs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from bench import plot
+    from bench.records import Record
+    assert cli.main(["peak", "overhead", "--tiny", "-q", "--plain", "--providers", "tpp,numpy",
+                     "--plot", str(tmp_path / "x.png")]) == 0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == ["x-overhead.png", "x-peak.png", "x-roofline.png"]
+    for name in pngs:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # intensities: brgemm from its flops and bytes; eltwise only where the FLOPs are defined
+    def rec(suite, case, shape, **extra):
+        return Record(suite=suite, case=case, provider="tpp", shape=shape, metric="bandwidth",
+                      unit="GB/s", median=1.0, p20=1.0, p80=1.0, extra=extra)
+    assert plot.intensity(rec("brgemm", "f32", [2, 2, 2, 1], flops_per_call=16,
+                              bytes_per_call=48)) == pytest.approx(1 / 3)
+    assert plot.intensity(rec("eltwise", "relu", [4, 4], bytes_per_call=128)) == 0.125
+    assert plot.intensity(rec("eltwise", "exp", [4, 4], bytes_per_call=128)) is None
+    assert plot.output_path("d/out.png", "peak").as_posix() == "d/out-peak.png"

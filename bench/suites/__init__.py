@@ -27,6 +27,9 @@ from ..timing import Settings
 # modules of this package that define suites, imported by load(); order is the listing order
 BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm")
 
+# the dtypes the suites' cases are measured in (a record's `dtype`); what --dtype accepts
+DTYPES = ("f32", "bf16")
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -70,6 +73,7 @@ class Config:
     threads: int = 1
     clock: str = "wall"                # timing.CLOCKS key
     providers: tuple = ("tpp", "numpy", "torch")
+    dtypes: tuple = DTYPES             # cases of other dtypes are skipped (see wants_dtype)
     verify: bool = True
     verbose: bool = True
 
@@ -86,6 +90,8 @@ class Context:
     done: set = field(default_factory=set)
     # "cache"/"dram" -> copy bandwidth peak (GB/s); "f32"/"bf16" -> compute peak (GFLOP/s)
     peaks: dict = field(default_factory=dict)
+    # called with a label as each case starts measuring (a progress display), or None
+    progress: object = None
     _torch: object = None
     _torch_checked: bool = False
 
@@ -95,6 +101,16 @@ class Context:
 
     def wants(self, provider: str) -> bool:
         return provider in self.config.providers
+
+    def wants_dtype(self, dtype: str) -> bool:
+        """Whether cases of this dtype are to run (--dtype). The peak suite does not ask: its
+        compute and copy peaks are the yardsticks of every other record."""
+        return dtype in self.config.dtypes
+
+    def step(self, label: str) -> None:
+        """A case starts measuring (the shared timing helpers call this)."""
+        if self.progress is not None:
+            self.progress(label)
 
     @property
     def torch(self):

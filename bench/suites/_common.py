@@ -138,6 +138,7 @@ def timed_group(ctx, what: str, runs: dict) -> dict:
     runs = {k: v for k, v in runs.items() if v is not None}
     if not runs:
         return {}
+    ctx.step(what)
     try:
         res = measure_interleaved(runs, ctx.settings)
     except Exception as exc:  # noqa: BLE001 - a broken case must not stop the run
@@ -150,6 +151,7 @@ def timed_group(ctx, what: str, runs: dict) -> dict:
 
 def timed(ctx, what: str, run, **kw) -> Stats | None:
     """measure(run) with the context's settings; a failure becomes a note and None."""
+    ctx.step(what)
     try:
         return measure(run, ctx.settings, **kw)
     except Exception as exc:  # noqa: BLE001 - a broken case must not stop the run

@@ -6,7 +6,8 @@ Cases (the BRGEMM issue's targets; data cache-resident, beta=0, batch="stride"):
 extra["vs_plain"], its rate over the plain f32 64^3 kernel's in the same run (1.0: the epilogue
 is free). A record's shape is [m, n, k, batch]; its GFLOP/s counts 2*m*n*k*batch per call;
 `peak_fraction` divides by the compute peak the peak suite measured for its dtype
-(ctx.peaks["f32"] or ["bf16"]).
+(ctx.peaks["f32"] or ["bf16"]); extra["bytes_per_call"] is the least traffic of a call (A, B
+read once, C written once, the bias row), the denominator of its arithmetic intensity.
 
 tpp runs through the raw-pointer path in a loop (`Kernel.raw`), B packed to VNNI-2 beforehand
 for bf16. The references compute the same sum as ONE GEMM: C = A_cat @ B_cat with
@@ -49,6 +50,14 @@ class Case:
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k * self.count
 
+    @property
+    def bytes(self) -> int:
+        """Bytes one call must move at least: A and B read once (2 bytes an element for bf16,
+        else 4), the f32 C written once (beta=0: not read), the f32 bias row read."""
+        size = 2 if self.dtype == "bf16" else 4
+        ab = self.count * (self.m * self.k + self.k * self.n) * size
+        return ab + self.m * self.n * 4 + (self.n * 4 if self.epilogue else 0)
+
 
 CASES = (Case("f32", 64, 64, 64, 16), Case("f32", 32, 32, 32, 32), Case("f32", 16, 16, 16, 32),
          Case("bf16 vnni", 64, 64, 64, 16, dtype="bf16"),
@@ -62,6 +71,8 @@ def run(ctx):
     rng = np.random.default_rng(2)
     tpp_rates = {}
     for case in CASES:
+        if not ctx.wants_dtype(case.dtype):
+            continue
         ours = _run_case(ctx, case, rng)
         if ours is not None:
             tpp_rates[case] = ours
@@ -121,7 +132,7 @@ def _run_case(ctx, case: Case, rng):
                 extra["verified"] = _verify(ctx, label, kernel, d, b_stored, outs["tpp"])
         r = compute_record(ctx, suite="brgemm", case=case.name, provider=provider,
                            shape=case.shape, stats=stats, flops=case.flops, dtype=case.dtype,
-                           **extra)
+                           bytes_per_call=case.bytes, **extra)
         if provider == "tpp":
             ours = r
     return ours
