@@ -21,8 +21,9 @@ from .spec import BinarySpec, UnarySpec, make_binary, make_unary
 
 __version__ = "0.1.0"
 
-__all__ = ["unary", "binary", "brgemm", "kernel", "BrgemmKernel", "BrgemmSpec", "reference", "Kernel", "UnarySpec", "BinarySpec",
-           "TPPError", "SpecError", "ArgumentError", "UnsupportedError", "CompileError",
+__all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "BrgemmKernel",
+           "UnarySpec", "BinarySpec", "BrgemmSpec", "make_brgemm", "TPPError", "SpecError",
+           "ArgumentError", "UnsupportedError", "CompileError",
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16"]
 
 

@@ -83,6 +83,18 @@ def pointer(arr):
     return ffi.cast("void *", arr.ctypes.data)
 
 
+def address(arr) -> int:
+    """The address of the first element, as an int (for calls through integer arguments)."""
+    return arr.data_ptr() if is_torch(arr) else arr.ctypes.data
+
+
+def overlap(a, b) -> bool:
+    """Whether the memory spans of two arrays/tensors intersect."""
+    lo, hi = extent(a)
+    olo, ohi = extent(b)
+    return lo < ohi and olo < hi
+
+
 def check(op, arr, name: str) -> int:
     """Validate arr against the Operand op; returns the ld to compile for (0 if not a block)."""
     dt, shape, strides, writable, given = geometry(arr, name)
@@ -109,7 +121,7 @@ def check(op, arr, name: str) -> int:
                                 f"length {op.cols}")
         return ld
     if layout == "mask":
-        if tuple(shape) != (op.rows, op.cols) or not _contiguous(shape, strides):
+        if tuple(shape) != (op.rows, op.cols) or not contiguous(shape, strides):
             raise ArgumentError(f"{name}: expected a contiguous uint8 bitmask of shape "
                                 f"({op.rows}, {op.cols}), got shape {tuple(shape)} strides {strides}")
         return 0
@@ -120,12 +132,13 @@ def check(op, arr, name: str) -> int:
     if size != length or sum(1 for d in shape if d != 1) > 1:
         raise ArgumentError(f"{name}: expected {length} values ({layout} operand, shape "
                             f"{_vector_shapes(layout, length)}), got shape {tuple(shape)}")
-    if not _contiguous(shape, strides):
+    if not contiguous(shape, strides):
         raise ArgumentError(f"{name}: a {layout} operand must be contiguous, got strides {strides}")
     return 0
 
 
-def _contiguous(shape, strides) -> bool:
+def contiguous(shape, strides) -> bool:
+    """Whether (shape, strides in elements) describe C-contiguous memory (size-1 dims free)."""
     expected = 1
     for d, s in zip(reversed(shape), reversed(strides)):
         if d != 1 and s != expected:

@@ -22,27 +22,17 @@ from tpp_cpu import backend as cpu_backend
 
 from . import arrays
 from .errors import ArgumentError
+from .kernel import KernelBase
 
 _SIGNATURE = "void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t)"
 
 
-def _address(arr) -> int:
-    return arr.data_ptr() if arrays.is_torch(arr) else arr.ctypes.data
-
-
-def _shape0(arr):
-    return arr.shape[0] if len(arr.shape) else 0
-
-
-class BrgemmKernel:
+class BrgemmKernel(KernelBase):
     def __init__(self, spec):
         self.spec = spec
         self._ops = {op.name: op for op in spec.operands()}
         self._variants = {}
         self._raw = None
-
-    def __repr__(self):
-        return f"<tpp kernel {self.spec.key()}>"
 
     # ------------------------------------------------------------ compilation
     def _variant(self, lds: tuple):
@@ -61,17 +51,6 @@ class BrgemmKernel:
         if self._raw is None:
             self._raw = self._variant((self.spec.lda, self.spec.ldb, self.spec.ldc))
         return self._raw
-
-    def compile(self):
-        """Compile now instead of on the first call; returns self."""
-        self.raw
-        return self
-
-    def dump(self, what: str = "asm", isa: str | None = None) -> str:
-        """The generated code: what = "ir", "opt" or "asm"; isa = "avx512" or "avx2"."""
-        from tpp_cpu import target
-        tgt = target.current() if isa is None else target.make_target(isa)
-        return cpu_backend.dump(self.spec, what, tgt)
 
     # ------------------------------------------------------------ calls
     def __call__(self, a, b, c=None, *, bias=None, mask=None, offsets_a=None, offsets_b=None,
@@ -115,8 +94,8 @@ class BrgemmKernel:
             _check_no_overlap(written, inputs)
 
         fn = self._variant((lda, ldb, ldc))
-        fn(a_ptr, b_ptr, _address(c), _address(bias) if spec.bias else 0,
-           _address(mask) if spec.bitmask else 0, count, arg_a, arg_b)
+        fn(a_ptr, b_ptr, arrays.address(c), arrays.address(bias) if spec.bias else 0,
+           arrays.address(mask) if spec.bitmask else 0, count, arg_a, arg_b)
         del keep
         return (c, mask) if spec.bitmask else c
 
@@ -152,8 +131,8 @@ class BrgemmKernel:
                   for x, n in ((a, "a"), (b, "b"))]
         if min(stride) < 0:
             raise ArgumentError("a and b must have a non-negative batch stride")
-        return (count, lds[0], lds[1], _address(a), _address(b), stride[0], stride[1], None,
-                [a, b])
+        return (count, lds[0], lds[1], arrays.address(a), arrays.address(b), stride[0], stride[1],
+                None, [a, b])
 
     def _bind_offset(self, a, b, count, offsets_a, offsets_b):
         spec, ops = self.spec, self._ops
@@ -179,7 +158,7 @@ class BrgemmKernel:
             op = ops[name]
             if dt is not op.dtype:
                 raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
-            if not arrays._contiguous(shape, strides):
+            if not arrays.contiguous(shape, strides):
                 raise ArgumentError(f"{name}: batch='offset' reads a C-contiguous base array")
             size = int(np.prod(shape, dtype=np.int64))
             span = (op.rows - 1) * op.ld + op.cols
@@ -189,7 +168,7 @@ class BrgemmKernel:
                                     f"{op.rows}x{op.cols} block (ld {op.ld}) fits in the base "
                                     f"array of {size} elements; got [{used.min()}, {used.max()}]")
             bases.append(arr)
-        return (count, spec.lda, spec.ldb, _address(bases[0]), _address(bases[1]),
+        return (count, spec.lda, spec.ldb, arrays.address(bases[0]), arrays.address(bases[1]),
                 offs[0].ctypes.data, offs[1].ctypes.data, offs, bases)
 
     def _bind_address(self, a, b, count, _oa, _ob):
@@ -212,20 +191,15 @@ class BrgemmKernel:
                 raise ArgumentError(f"{name}: every block must have the same row stride (ld), "
                                     f"got {sorted(found)}")
             lds.append(found.pop() if found else ops[name].ld)
-            pointer_arrays.append(np.array([_address(x) for x in seq] or [0], np.int64))
+            pointer_arrays.append(np.array([arrays.address(x) for x in seq] or [0], np.int64))
         inputs = seqs[0][:count] + seqs[1][:count]
         return (count, lds[0], lds[1], pointer_arrays[0].ctypes.data,
                 pointer_arrays[1].ctypes.data, 0, 0, pointer_arrays, inputs)
 
 
 def _check_no_overlap(written, inputs):
-    spans = [(arrays.extent(x), x) for x in inputs]
     for k, w in enumerate(written):
-        lo, hi = arrays.extent(w)
-        for (olo, ohi), _ in spans:
-            if lo < ohi and olo < hi:
-                raise ArgumentError("c (and the bitmask) must not overlap a, b or bias")
-        for other in written[k + 1:]:
-            olo, ohi = arrays.extent(other)
-            if lo < ohi and olo < hi:
-                raise ArgumentError("c and the bitmask must not overlap each other")
+        if any(arrays.overlap(w, x) for x in inputs):
+            raise ArgumentError("c (and the bitmask) must not overlap a, b or bias")
+        if any(arrays.overlap(w, other) for other in written[k + 1:]):
+            raise ArgumentError("c and the bitmask must not overlap each other")

@@ -27,20 +27,18 @@ addresses of the pointer arrays).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from . import dtypes as _dt
 from .errors import SpecError, UnsupportedError
-from .spec import Operand, mask_bytes
+from .spec import Operand, _SpecBase, mask_bytes
 
 BATCH_MODES = ("stride", "offset", "address")
 ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
-ABI = ("a", "b", "c", "bias", "mask", "count", "arg_a", "arg_b")
 
 
 @dataclass(frozen=True)
-class BrgemmSpec:
+class BrgemmSpec(_SpecBase):
     m: int
     n: int
     k: int
@@ -63,14 +61,6 @@ class BrgemmSpec:
     op = "brgemm"
     kind = "brgemm"
     scalars = ("count", "arg_a", "arg_b")
-
-    def key(self) -> str:
-        """A canonical text form of the spec, stable across processes (the cache key)."""
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)]
-        return "brgemm(" + ",".join(parts) + ")"
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
 
     @property
     def a_shape(self) -> tuple:
@@ -96,10 +86,6 @@ class BrgemmSpec:
         if self.bitmask:
             ops.append(Operand("mask", "out", "mask", _dt.U8, self.m, mask_bytes(self.n)))
         return tuple(ops)
-
-    def flops(self, count: int) -> int:
-        """Floating-point operations of one call with `count` pairs (2*m*n*k per pair)."""
-        return 2 * self.m * self.n * self.k * count
 
 
 def _size(value, what):

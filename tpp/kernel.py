@@ -23,7 +23,27 @@ from .errors import ArgumentError
 _INPLACE_KINDS = ("map", "map_inv", "compare")
 
 
-class Kernel:
+class KernelBase:
+    """What every compiled primitive offers besides its call: repr, compile() and dump().
+    Subclasses define `spec` and `raw` (the compiled function for the spec's own lds)."""
+
+    def __repr__(self):
+        return f"<tpp kernel {self.spec.key()}>"
+
+    def compile(self):
+        """Compile now (for the spec's own lds) instead of on the first call; returns self."""
+        self.raw
+        return self
+
+    def dump(self, what: str = "asm", isa: str | None = None) -> str:
+        """The generated code: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512" or
+        "avx2" to see another target's code (default: the one that runs here)."""
+        from tpp_cpu import target
+        tgt = target.current() if isa is None else target.make_target(isa)
+        return cpu_backend.dump(self.spec, what, tgt)
+
+
+class Kernel(KernelBase):
     def __init__(self, spec):
         self.spec = spec
         self._operands = spec.operands()
@@ -56,9 +76,6 @@ class Kernel:
         outs = tuple((ops[k].dtype.numpy, shape[ops[k].layout](ops[k]), ops[k].name)
                      for k in self._output_idx)
         return ins, outs
-
-    def __repr__(self):
-        return f"<tpp kernel {self.spec.key()}>"
 
     # ------------------------------------------------------------ compilation
     def _compiled(self, spec):
@@ -97,18 +114,6 @@ class Kernel:
             compiled = self._compiled(self.spec)
             self._raw = arrays.ffi.cast(self._signature("intptr_t"), compiled.address)
         return self._raw
-
-    def compile(self):
-        """Compile now (for the spec's own lds) instead of on the first call; returns self."""
-        self.raw
-        return self
-
-    def dump(self, what: str = "asm", isa: str | None = None) -> str:
-        """The generated code: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512" or
-        "avx2" to see another target's code (default: the one that runs here)."""
-        from tpp_cpu import target
-        tgt = target.current() if isa is None else target.make_target(isa)
-        return cpu_backend.dump(self.spec, what, tgt)
 
     # ------------------------------------------------------------ calls
     def __call__(self, *inputs, out=None, mask=None, seed=None):
@@ -231,12 +236,10 @@ class Kernel:
     def _check_overlap(self, bound, user_outputs):
         inplace_ok = self.spec.info.kind in _INPLACE_KINDS
         for k in user_outputs:
-            lo, hi = arrays.extent(bound[k])
             for j, other in enumerate(bound):
                 if j == k:
                     continue
-                olo, ohi = arrays.extent(other)
-                if lo < ohi and olo < hi:
+                if arrays.overlap(bound[k], other):
                     if inplace_ok and _same_view(bound[k], other):
                         continue
                     raise ArgumentError(

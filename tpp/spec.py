@@ -100,6 +100,11 @@ class _SpecBase:
     def info(self) -> optable.OpInfo:
         return optable.lookup(self.family, self.op)
 
+    @property
+    def kind(self) -> str:
+        """The op's kind (map, reduce, transpose, ...): which generator builds it."""
+        return self.info.kind
+
     def key(self) -> str:
         """A canonical text form of the spec, stable across processes (the cache key)."""
         parts = []

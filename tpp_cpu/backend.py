@@ -90,8 +90,7 @@ def reset_disk_cache():
 
 
 def generate_ir(spec, target: Target, symbol: str):
-    kind = spec.kind if spec.family == "brgemm" else spec.info.kind
-    module = importlib.import_module(f"tpp_cpu.{_GENERATORS[kind]}")
+    module = importlib.import_module(f"tpp_cpu.{_GENERATORS[spec.kind]}")
     return module.generate(spec, target, symbol)
 
 

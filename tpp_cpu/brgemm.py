@@ -166,19 +166,22 @@ class _Generator:
                     acc[r * vectors + v] = irx.fma(b, a, bvecs[s][v], acc[r * vectors + v])
         return acc
 
+    def a_offset(self, kk, r):
+        """Elements from a_k to A[row r, k step kk]."""
+        lda = self.spec.lda
+        return i64(kk * lda + r if self.spec.trans_a else r * lda + kk)
+
     def load_a(self, a_k, kk, r):
         """A[row r, k step kk] as an f32 scalar."""
-        spec, b = self.spec, self.b
-        off = kk * spec.lda + r if spec.trans_a else r * spec.lda + kk
-        raw = irx.load_scalar(b, a_k, i64(off), self.ta)
-        return _scalar_to_f32(b, raw, spec.dtype_a)
+        raw = irx.load_scalar(self.b, a_k, self.a_offset(kk, r), self.ta)
+        return irx.to_f32(self.b, raw, self.spec.dtype_a)
 
     def load_a_half(self, a_k, kk, r, s):
         """Broadcast f32 vector of bf16 A[row r, kk + s] (s = 0 or 1), from one 32-bit load of
         the pair (kk, kk+1) and one shift or mask: cheaper than widening a scalar and moving it
         into a vector register."""
         b, lanes = self.b, self.lanes
-        pair = irx.load_scalar(b, irx.element_ptr(b, a_k, i64(r * self.spec.lda + kk), I16),
+        pair = irx.load_scalar(b, irx.element_ptr(b, a_k, self.a_offset(kk, r), I16),
                                i64(0), I32, align=2)
         vi = vec(I32, lanes)
         pairs = irx.splat(b, pair, lanes)
@@ -240,9 +243,7 @@ class _Generator:
         return acc
 
     def _a_bits(self, a_k, kk, r):
-        spec = self.spec
-        off = kk * spec.lda + r if spec.trans_a else r * spec.lda + kk
-        return irx.load_scalar(self.b, a_k, i64(off), I16)
+        return irx.load_scalar(self.b, a_k, self.a_offset(kk, r), I16)
 
     # ------------------------------------------------------------ epilogue
     def epilogue(self, acc, row0, col0, rows, vectors, counts, c_at):
@@ -286,12 +287,3 @@ class _Generator:
             byte = b.add(b.mul(row, i64(mask_bytes(spec.n))), b.udiv(col, i64(8)))
             irx.store_bits(b, bits, self.pmask, byte, count)
         irx.store_f32(b, x, self.pc, c_offset, spec.dtype_c, count)
-
-
-def _scalar_to_f32(b, raw, dtype):
-    """Widen one loaded element to f32 (exact)."""
-    if dtype.name == "f32":
-        return raw
-    if dtype.name == "f16":
-        return b.fpext(raw, F32)
-    return b.bitcast(b.shl(b.zext(raw, I32), ir.Constant(I32, 16)), F32)

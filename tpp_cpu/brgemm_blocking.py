@@ -3,8 +3,9 @@
 A tile is R rows by V vectors of `lanes` columns. Per step of k it costs R*V FMAs, V loads of B
 and R broadcasts of A, and it holds R*V accumulators, V B vectors and one broadcast A value in
 registers: R*V + V + 1 <= registers (libxsmm's rule). When a VNNI pair is widened to f32 in
-registers, B takes 2V and A two more (its pair and a zero for masking): R*V + 2V + 3. Among the V that fit, the planner takes the one with the fewest estimated cycles per
-k step over the whole C block, where a tile's cycles are the largest of its FMA throughput, the
+registers, B takes 2V and A two more (its pair and a zero for masking): R*V + 2V + 3. Among
+the V that fit, the planner takes the one with the fewest estimated cycles per k step over the
+whole C block, where a tile's cycles are the largest of its FMA throughput, the
 FMA latency (too few accumulators leave the pipes idle) and its load throughput.
 
 Rows are split into equal blocks (m=16 with R<=6 gives 6+5+5, not 6+6+4), columns into

@@ -259,14 +259,16 @@ def load_scalar(b, base, offset, ty, align: int | None = None):
 
 
 def to_f32(b, raw, dtype):
-    """Widen a loaded vector of dtype's storage type to f32 (exact)."""
+    """Widen a loaded vector (or scalar) of dtype's storage type to f32 (exact)."""
     if dtype.name == "f32":
         return raw
-    w = raw.type.count
+    if isinstance(raw.type, ir.VectorType):
+        f32, i32 = vec(F32, raw.type.count), vec(I32, raw.type.count)
+    else:
+        f32, i32 = F32, I32
     if dtype.name == "f16":
-        return b.fpext(raw, vec(F32, w))
-    wide = b.shl(b.zext(raw, vec(I32, w)), const(vec(I32, w), 16))
-    return b.bitcast(wide, vec(F32, w))
+        return b.fpext(raw, f32)
+    return b.bitcast(b.shl(b.zext(raw, i32), const(i32, 16)), f32)
 
 
 def from_f32(b, value, dtype):
