@@ -16,6 +16,8 @@ from .errors import ArgumentError, CompileError, SpecError, TPPError, Unsupporte
 from .brgemm_kernel import BrgemmKernel
 from .brgemm_spec import BrgemmSpec, make_brgemm
 from .kernel import Kernel
+from .loop_spec import Loop
+from .loops import LoopNest
 from .optable import BINARY_OPS, UNARY_OPS
 from .spec import BinarySpec, UnarySpec, make_binary, make_unary
 
@@ -24,7 +26,21 @@ __version__ = "0.1.0"
 __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "BrgemmKernel",
            "UnarySpec", "BinarySpec", "BrgemmSpec", "make_brgemm", "TPPError", "SpecError",
            "ArgumentError", "UnsupportedError", "CompileError",
-           "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16"]
+           "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest",
+           "get_num_threads", "set_num_threads"]
+
+
+def get_num_threads() -> int:
+    """Threads a parallel loop nest uses: set_num_threads(n), else TPP_NUM_THREADS, else
+    OMP_NUM_THREADS, else every core this process may use."""
+    from tpp_cpu import threads
+    return threads.num_threads()
+
+
+def set_num_threads(n):
+    """Use n threads in parallel loop nests (None: back to the environment variables)."""
+    from tpp_cpu import threads
+    threads.set_num_threads(n)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -33,6 +33,7 @@ _GENERATORS = {
     "transpose": "transform", "vnni2": "transform", "vnni2_inv": "transform",
     "gather": "transform", "scatter": "transform",
     "brgemm": "brgemm",
+    "loopnest": "loopnest",
 }
 
 
@@ -134,9 +135,9 @@ def _load_cached(disk, key, symbol, target):
 
 
 def _optimize(spec, module_ir, target):
-    """LLVM's optimiser; BRGEMM code is emitted vectorised and unrolled already, so its
-    vectorizers and unroller would only cost compile time."""
-    return jit.optimize(module_ir, target, vectorize=spec.family != "brgemm")
+    """LLVM's optimiser; BRGEMM code is emitted vectorised and unrolled already, and a loop
+    nest is only calls, so there LLVM's vectorizers and unroller would only cost compile time."""
+    return jit.optimize(module_ir, target, vectorize=spec.family not in ("brgemm", "loopnest"))
 
 
 def build_object(spec, target: Target, symbol: str) -> bytes:

@@ -1,0 +1,245 @@
+"""Loop nests compiled whole: declare loops and blocked tensors, call TPPs on blocks.
+
+    Mb, Nb, Kb, bm, bn, bk = 8, 8, 16, 64, 64, 64
+    nest = tpp.LoopNest("aBC", a=(0, Kb, 8), b=Mb, c=Nb)  # a: k blocks, 8 at a time
+    a, b, c = nest.vars
+    A = nest.tensor("A", (Mb, Kb, bm, bk))               # blocked, C-contiguous
+    B = nest.tensor("B", (Nb, Kb, bk, bn))
+    C = nest.tensor("C", (Nb, Mb, bm, bn))
+    mm = tpp.brgemm(bm, bn, bk, beta=1)
+    nest.call(tpp.unary("zero", bm, bn), C[c, b], when=(a == 0))
+    nest.call(mm, A[b, a], B[c, a], C[c, b], count=8, stride_a=bm * bk, stride_b=bk * bn)
+    gemm = nest.compile()
+    gemm(A=a_blocks, B=b_blocks, C=c_blocks)             # or positionally, in declaration order
+
+Loops are given as keywords named a, b, c, ... in order: `n` (range(n)), `(start, stop)`,
+`(start, stop, step)`, `(start, stop, step, blocks)` or a `Loop`. See tpp.loop_spec for the
+order string (upper case: parallel; a repeated letter: another blocking level) and for what
+the body sees. Indexing a tensor with loop expressions gives the address of the element
+there (fewer indices than dimensions: the start of that sub-block). Every address a call can
+touch is checked against its tensor when the nest is built, and every array against its
+tensor's shape and dtype when the nest is called, so a nest never reads or writes outside
+the arrays it is given.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays
+from . import dtypes as _dt
+from .errors import ArgumentError, SpecError, UnsupportedError
+from .loop_spec import (LETTERS, Address, Affine, Call, Cond, Expr, Loop, LoopNestSpec, Tensor,
+                        affine, parse_order)
+
+
+class TensorRef:
+    """A declared tensor inside a nest under construction; index it to address its elements."""
+
+    def __init__(self, nest, index: int, tensor: Tensor):
+        self._nest, self.index, self.tensor = nest, index, tensor
+
+    def __getitem__(self, idx) -> Address:
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        shape = self.tensor.shape
+        if len(idx) > len(shape):
+            raise SpecError(f"tensor {self.tensor.name!r} has {len(shape)} dimensions, "
+                            f"indexed with {len(idx)}")
+        offset = Expr.of(0)
+        for i, stride in zip(idx, self.tensor.strides()):
+            offset = offset + Expr.of(i) * stride
+        return Address(self.index, offset.affine)
+
+    def at(self, element_offset) -> Address:
+        """The address element_offset elements (a loop expression) past the first."""
+        return Address(self.index, affine(element_offset))
+
+
+class LoopNest:
+    def __init__(self, order: str, **loops):
+        names = LETTERS[:len(loops)]
+        if tuple(loops) != tuple(names):
+            raise SpecError(f"loops must be given as keywords {', '.join(names) or 'a, b, ...'}"
+                            f" in that order, got {', '.join(loops)}")
+        self.loops = tuple(Loop.of(v) for v in loops.values())
+        self.order = order
+        parse_order(order, self.loops)          # fail early on a bad order string
+        self.vars = tuple(Expr(Affine(((ch, 1),), 0)) for ch in names)
+        self._tensors: list = []
+        self._calls: list = []
+
+    def tensor(self, name: str, shape, dtype="f32") -> TensorRef:
+        """Declare a C-contiguous tensor the nest is given at call time."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"tensor name must be an identifier, got {name!r}")
+        if any(t.name == name for t in self._tensors):
+            raise SpecError(f"tensor {name!r} declared twice")
+        shape = tuple(shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+            raise SpecError(f"tensor {name!r}: shape must be positive ints, got {shape}")
+        tensor = Tensor(name, shape, _dt.lookup(dtype))
+        self._tensors.append(tensor)
+        return TensorRef(self, len(self._tensors) - 1, tensor)
+
+    def call(self, kernel, *operands, when=(), count=1, stride_a=0, stride_b=0, bias=None,
+             mask=None, seed=None):
+        """Call a primitive (a tpp kernel or spec) on addresses. A unary/binary primitive
+        takes one address per operand, in its operand order; a BRGEMM (stride batch mode)
+        takes a, b, c and optionally bias=, mask=, with int count= and element strides."""
+        spec = getattr(kernel, "spec", kernel)
+        when = (when,) if isinstance(when, Cond) else tuple(when)
+        if not all(isinstance(w, Cond) for w in when):
+            raise SpecError("when= takes loop conditions such as (k == 0) or a tuple of them")
+        for a in operands:
+            if not isinstance(a, Address):
+                raise SpecError(f"operands are tensor addresses such as A[i, j], got {a!r}")
+        if getattr(spec, "family", None) == "brgemm":
+            args = self._brgemm_args(spec, operands, count, stride_a, stride_b, bias, mask)
+        elif getattr(spec, "family", None) in ("unary", "binary"):
+            ops = spec.operands()
+            if len(operands) != len(ops):
+                raise SpecError(f"{spec.op} takes {len(ops)} operands "
+                                f"({', '.join(o.name for o in ops)}), got {len(operands)}")
+            args = tuple(operands)
+            if spec.scalars:
+                if seed is None:
+                    raise SpecError(f"{spec.op} in a nest needs seed= (an int or loop expression)")
+                args += (affine(seed),)
+        else:
+            raise SpecError(f"a nest calls tpp primitives (kernels or specs), got {kernel!r}")
+        for k, arg in enumerate(args):
+            if isinstance(arg, Address):
+                want = self._operand_dtype(spec, k)
+                have = self._tensors[arg.tensor].dtype
+                if want is not None and want != have:
+                    raise SpecError(f"{spec.op} operand {k} is {want}, tensor "
+                                    f"{self._tensors[arg.tensor].name!r} is {have}")
+        self._calls.append(Call(spec, args, when))
+
+    @staticmethod
+    def _brgemm_args(spec, operands, count, stride_a, stride_b, bias, mask):
+        if spec.batch != "stride":
+            raise UnsupportedError("a nest calls BRGEMM in stride batch mode")
+        if len(operands) != 3:
+            raise SpecError(f"brgemm takes a, b, c addresses, got {len(operands)}")
+        for name, v in (("count", count), ("stride_a", stride_a), ("stride_b", stride_b)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SpecError(f"brgemm {name} must be an int >= 0, got {v!r}")
+        if (bias is None) != (not spec.bias) or (mask is None) != (not spec.bitmask):
+            raise SpecError("brgemm: pass bias= exactly when the spec has a bias, and mask= "
+                            "exactly when it writes a bitmask")
+        return tuple(operands) + (bias, mask, affine(count), affine(stride_a), affine(stride_b))
+
+    @staticmethod
+    def _operand_dtype(spec, k):
+        if spec.family == "brgemm":
+            names = ("a", "b", "c", "bias", "mask")
+            ops = {o.name: o for o in spec.operands()}
+            return ops[names[k]].dtype if k < 5 and names[k] in ops else None
+        ops = spec.operands()
+        return ops[k].dtype if k < len(ops) else None
+
+    def spec(self) -> LoopNestSpec:
+        if not self._calls:
+            raise SpecError("the nest's body calls nothing")
+        return LoopNestSpec(self.loops, self.order, tuple(self._tensors), tuple(self._calls))
+
+    def compile(self) -> "CompiledNest":
+        return compiled(self.spec())
+
+
+_COMPILED: dict = {}
+
+
+def compiled(spec: LoopNestSpec) -> "CompiledNest":
+    """The CompiledNest of a spec; one per spec per process."""
+    nest = _COMPILED.get(spec)
+    if nest is None:
+        nest = _COMPILED[spec] = CompiledNest(spec)
+    return nest
+
+
+class CompiledNest:
+    """A compiled loop nest: call it with one array per declared tensor."""
+
+    def __init__(self, spec: LoopNestSpec):
+        import tpp
+        from tpp_cpu import backend, loopnest, threads
+        self.spec = spec
+        self._threads = threads
+        self.names = tuple(t.name for t in spec.tensors)
+        written = set()
+        for call in spec.calls:
+            roles = _roles(call.spec)
+            for arg, role in zip(call.args, roles):
+                if isinstance(arg, Address) and role != "in":
+                    written.add(arg.tensor)
+        self._written = frozenset(written)
+        slots = loopnest.layout(spec)
+        table = np.zeros(slots["size"], np.int64)
+        for k, kspec in enumerate(spec.kernel_specs()):
+            table[slots["kernels"] + k] = int(arrays.ffi.cast("intptr_t", tpp.kernel(kspec).raw))
+        runtime = threads.runtime()
+        if runtime is not None:
+            table[slots["runtime"]:slots["runtime"] + 4] = runtime
+        self._template = table
+        self._has_runtime = runtime is not None
+        self._entry = arrays.ffi.cast("void(*)(int64_t)", backend.compile(spec).address)
+
+    def __repr__(self):
+        return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
+
+    def bind(self, *args, **named) -> np.ndarray:
+        """The call table for these arrays (validated), for `run`."""
+        if len(args) > len(self.names):
+            raise ArgumentError(f"the nest takes {len(self.names)} arrays "
+                                f"({', '.join(self.names)}), got {len(args)}")
+        given = dict(zip(self.names, args))
+        for name, arr in named.items():
+            if name not in self.names:
+                raise ArgumentError(f"the nest has no tensor {name!r} (it has "
+                                    f"{', '.join(self.names)})")
+            if name in given:
+                raise ArgumentError(f"tensor {name!r} given twice")
+            given[name] = arr
+        table = self._template.copy()
+        for k, tensor in enumerate(self.spec.tensors):
+            if tensor.name not in given:
+                raise ArgumentError(f"missing array for tensor {tensor.name!r}")
+            table[1 + k] = _check(tensor, given[tensor.name], k in self._written)
+        table[0] = self._threads.num_threads() if self._has_runtime else 1
+        return table
+
+    def __call__(self, *args, **named):
+        """Run the nest on these arrays (numpy or torch CPU, one per declared tensor)."""
+        table = self.bind(*args, **named)
+        self._entry(table.ctypes.data)
+
+    def run(self, table: np.ndarray):
+        """Run with a table from `bind` (the arrays it was bound to must still be alive)."""
+        self._entry(table.ctypes.data)
+
+    def dump(self, what: str = "asm") -> str:
+        from tpp_cpu import backend
+        return backend.dump(self.spec, what)
+
+
+def _roles(spec) -> tuple:
+    if spec.family == "brgemm":
+        ops = {o.name: o.role for o in spec.operands()}
+        return tuple(ops.get(n, "in") for n in ("a", "b", "c", "bias", "mask"))
+    return tuple(o.role for o in spec.operands())
+
+
+def _check(tensor: Tensor, arr, writable: bool) -> int:
+    arr = arrays.as_host_array(arr, tensor.name)
+    dt, shape, strides, can_write, given = arrays.geometry(arr, tensor.name)
+    if dt != tensor.dtype:
+        raise ArgumentError(f"{tensor.name}: expected {tensor.dtype}, got {given}")
+    if tuple(shape) != tensor.shape:
+        raise ArgumentError(f"{tensor.name}: expected shape {tensor.shape}, got {tuple(shape)}")
+    if not arrays.contiguous(shape, strides):
+        raise ArgumentError(f"{tensor.name}: expected a C-contiguous array, got strides "
+                            f"{tuple(strides)} (elements)")
+    if writable and not can_write:
+        raise ArgumentError(f"{tensor.name}: the nest writes it, but the array is read-only")
+    return arrays.address(arr)
