@@ -188,8 +188,9 @@ class CompiledNest:
     def __repr__(self):
         return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
 
-    def bind(self, *args, **named) -> np.ndarray:
-        """The call table for these arrays (validated), for `run`."""
+    def bind(self, *args, threads=None, **named) -> np.ndarray:
+        """The call table for these arrays (validated), for `run`; threads= overrides
+        tpp.get_num_threads() for this call."""
         if len(args) > len(self.names):
             raise ArgumentError(f"the nest takes {len(self.names)} arrays "
                                 f"({', '.join(self.names)}), got {len(args)}")
@@ -206,12 +207,17 @@ class CompiledNest:
             if tensor.name not in given:
                 raise ArgumentError(f"missing array for tensor {tensor.name!r}")
             table[1 + k] = _check(tensor, given[tensor.name], k in self._written)
-        table[0] = self._threads.num_threads() if self._has_runtime else 1
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):
+            raise ArgumentError(f"threads must be a positive int, got {threads!r}")
+        if not self._has_runtime:
+            threads = 1
+        table[0] = self._threads.num_threads() if threads is None else threads
         return table
 
-    def __call__(self, *args, **named):
+    def __call__(self, *args, threads=None, **named):
         """Run the nest on these arrays (numpy or torch CPU, one per declared tensor)."""
-        table = self.bind(*args, **named)
+        table = self.bind(*args, threads=threads, **named)
         self._entry(table.ctypes.data)
 
     def run(self, table: np.ndarray):

@@ -1,0 +1,15 @@
+"""Deep-learning operators built only from TPPs, composed in compiled loop nests.
+
+    import ops
+    y = ops.matmul(a, b)                      # a (M, K) @ b (K, N), f32 or bf16
+    y = ops.linear(x, w, bias, "gelu")        # torch.nn.functional.linear + activation
+    y, saved = ops.mlp_forward(x, w, bias, "gelu"); dx, dw, db = ops.mlp_backward(dy, saved)
+
+PyTorch drop-ins live in ops.torch (imported on demand: torch is optional).
+"""
+from .matmul import ACTIVATIONS, Blocking, choose_blocking, linear, matmul
+from .mlp import Saved, mlp, mlp_backward, mlp_forward
+from .packing import PackedWeight, pack_kn, pack_nk
+
+__all__ = ["matmul", "linear", "Blocking", "choose_blocking", "PackedWeight", "pack_kn",
+           "pack_nk", "ACTIVATIONS", "mlp", "mlp_forward", "mlp_backward", "Saved"]

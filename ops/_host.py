@@ -1,0 +1,59 @@
+"""Array bookkeeping the operators share: numpy or torch CPU in, the same kind out.
+
+Operators take numpy arrays or torch CPU tensors and return the kind they were given; these
+helpers allocate, view and validate without copying where the layout allows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tpp import arrays
+from tpp import dtypes as _dt
+from tpp.errors import ArgumentError
+
+
+def host(x, name: str):
+    """x as a numpy array or CPU torch tensor (UnsupportedError for other devices)."""
+    return arrays.as_host_array(x, name)
+
+
+def dtype_of(x, name: str) -> _dt.DType:
+    dt = arrays.geometry(x, name)[0]
+    if dt not in _dt.FLOAT_DTYPES:
+        raise ArgumentError(f"{name}: expected f32, bf16 or f16 data, got {getattr(x, 'dtype', x)}")
+    return dt
+
+
+def empty(shape, dtype: _dt.DType, like):
+    """An uninitialised array of the same kind as `like` (numpy array or torch tensor)."""
+    if arrays.is_torch(like):
+        import torch
+        return torch.empty(tuple(shape), dtype=getattr(torch, dtype.torch_name))
+    return np.empty(tuple(shape), dtype.numpy)
+
+
+def zeros(shape, dtype: _dt.DType, like):
+    if arrays.is_torch(like):
+        import torch
+        return torch.zeros(tuple(shape), dtype=getattr(torch, dtype.torch_name))
+    return np.zeros(tuple(shape), dtype.numpy)
+
+
+def contiguous(x):
+    """x itself when C-contiguous, else a C-contiguous copy (the nests take dense tensors)."""
+    if arrays.is_torch(x):
+        return x if x.is_contiguous() else x.contiguous()
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def rows(x, k: int, name: str):
+    """x (..., k) as a C-contiguous (M, k) view and the leading shape."""
+    shape = tuple(x.shape)
+    if len(shape) < 1 or shape[-1] != k:
+        raise ArgumentError(f"{name}: expected shape (..., {k}), got {shape}")
+    lead = shape[:-1]
+    m = 1
+    for d in lead:
+        m *= d
+    x = contiguous(x)
+    return x.reshape(m, k), lead

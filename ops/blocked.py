@@ -1,0 +1,123 @@
+"""Whole-matrix element-wise, transpose and column-sum operations, as parallel nests of TPPs.
+
+Each function runs one compiled nest over a 2-D (M, N) matrix cut into blocks of ROWS rows
+(and COLS columns where it matters); the last block takes the remainder with a kernel of its
+own size. Inputs and outputs are C-contiguous numpy arrays or torch CPU tensors.
+
+    map_rows("gelu", [z], y)                  # y = gelu(z)
+    map_rows("gelu_inv", [dy, z], dz)         # unary ops with a second input (backward)
+    map_rows("add", [a, b], out)              # binary ops
+    transpose(x, out)                         # out (N, M) = x.T
+    column_sums(x, out)                       # out (N,) = x.sum(axis=0)
+"""
+from __future__ import annotations
+
+import functools
+
+import tpp
+from tpp import dtypes as _dt
+from tpp.errors import ArgumentError
+
+ROWS = 64
+COLS = 64
+
+
+def _split(total, block):
+    """[(size, condition builder)] of the full blocks and the tail for a loop var."""
+    full, tail = divmod(total, block)
+    cases = []
+    if full:
+        cases.append((block, (lambda v: (v < full,)) if tail else (lambda v: ())))
+    if tail:
+        cases.append((tail, lambda v: (v == full,)))
+    return cases, full + (tail > 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _map_nest(op, family, m, n, dtypes_in, dtype_out, params):
+    cases, blocks = _split(m, ROWS)
+    nest = tpp.LoopNest("A", a=blocks)
+    a, = nest.vars
+    ins = [nest.tensor(f"in{k}", (m, n), dt) for k, dt in enumerate(dtypes_in)]
+    out = nest.tensor("out", (m, n), dtype_out)
+    for rows, cond in cases:
+        if family == "binary":
+            spec = tpp.make_binary(op, rows, n, dtype_in0=dtypes_in[0], dtype_in1=dtypes_in[1],
+                                   dtype_out=dtype_out)
+        else:
+            spec = tpp.make_unary(op, rows, n, dtype_in=dtypes_in[0], dtype_out=dtype_out,
+                                  **dict(params))
+        nest.call(spec, *[t[a * ROWS] for t in ins], out[a * ROWS], when=cond(a))
+    return nest.compile()
+
+
+def map_rows(op, inputs, out, **params):
+    """out = op(*inputs) over whole matrices (unary ops, their *_inv backward, binary ops)."""
+    family = "binary" if op in tpp.BINARY_OPS else "unary"
+    m, n = _shape2(out, "out")
+    for k, x in enumerate(inputs):
+        if _shape2(x, f"input {k}") != (m, n):
+            raise ArgumentError(f"input {k}: shape {tuple(x.shape)}, out is {(m, n)}")
+    dts = tuple(_dtype(x) for x in inputs)
+    nest = _map_nest(op, family, m, n, dts, _dtype(out), tuple(sorted(params.items())))
+    nest(*inputs, out)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _transpose_nest(m, n, dtype):
+    rcases, rblocks = _split(m, ROWS)
+    ccases, cblocks = _split(n, COLS)
+    nest = tpp.LoopNest("AB", a=rblocks, b=cblocks)
+    a, b = nest.vars
+    x = nest.tensor("x", (m, n), dtype)
+    out = nest.tensor("out", (n, m), dtype)
+    for rows, rc in rcases:
+        for cols, cc in ccases:
+            spec = tpp.make_unary("transpose", rows, cols, ldi=n, ldo=m, dtype_in=dtype)
+            nest.call(spec, x[a * ROWS, b * COLS], out[b * COLS, a * ROWS], when=rc(a) + cc(b))
+    return nest.compile()
+
+
+def transpose(x, out):
+    m, n = _shape2(x, "x")
+    if _shape2(out, "out") != (n, m):
+        raise ArgumentError(f"out: expected shape {(n, m)}, got {tuple(out.shape)}")
+    _transpose_nest(m, n, _dtype(x))(x, out)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _colsum_nest(m, n, dtype, dtype_out):
+    cases, blocks = _split(n, COLS)
+    nest = tpp.LoopNest("A", a=blocks)
+    a, = nest.vars
+    x = nest.tensor("x", (m, n), dtype)
+    out = nest.tensor("out", (n,), dtype_out)
+    for cols, cond in cases:
+        spec = tpp.make_unary("reduce_sum", m, cols, ldi=n, dtype_in=dtype, dtype_out=dtype_out,
+                              axis=0)
+        nest.call(spec, x[0, a * COLS], out[a * COLS], when=cond(a))
+    return nest.compile()
+
+
+def column_sums(x, out):
+    m, n = _shape2(x, "x")
+    if tuple(out.shape) != (n,):
+        raise ArgumentError(f"out: expected shape {(n,)}, got {tuple(out.shape)}")
+    _colsum_nest(m, n, _dtype(x), _dtype(out))(x, out)
+    return out
+
+
+def _shape2(x, name):
+    if len(x.shape) != 2:
+        raise ArgumentError(f"{name}: expected a 2-D array, got shape {tuple(x.shape)}")
+    return tuple(x.shape)
+
+
+def _dtype(x):
+    from tpp import arrays
+    dt = arrays.geometry(x, "array")[0]
+    if dt not in _dt.FLOAT_DTYPES:
+        raise ArgumentError(f"expected f32, bf16 or f16 data, got {x.dtype}")
+    return dt

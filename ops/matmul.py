@@ -1,0 +1,161 @@
+"""matmul and linear: one compiled loop nest of BRGEMM calls over a packed weight.
+
+    y = ops.matmul(a, b)                       # a (M, K), b (K, N) array or PackedWeight
+    y = ops.linear(x, w, bias, "gelu")         # x (..., K), w (N, K) like torch.nn.Linear
+    pw = ops.pack_nk(w); ops.linear(x, pw)     # pack once, reuse: no repacking per call
+
+f32 in, f32 out; or bf16 in, f32 accumulation, bf16 (default) or f32 out. The output is
+`act(a @ b + bias)`, bias one row of N values of the output dtype.
+
+The nest, for blocking (bm, bn, kc), is "aCB": a over K chunks of kc (sequential), then the
+N blocks (c) and M blocks (b) collapsed and split across threads. Each (chunk, b, c) calls one
+BRGEMM of (bm x kc) @ (kc x bn) on the row-major input and the weight's panel: the first chunk
+writes C (beta 0), later chunks add (beta 1), and the last applies bias and activation while
+the tile is in registers. Rows, columns and K past the last full block get kernels of their
+own sizes, chosen by `when=` guards, so any shape runs without padding the input.
+
+Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows (all of a
+smaller M), bn = the weight's panel width (64), kc = K up to 512, else 256-element chunks;
+bf16 output keeps K whole (a bf16 C cannot carry partial sums). Problems under 4 MFLOP run on
+one thread: the team's wake-up would cost more than it saves.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import tpp
+from tpp import dtypes as _dt
+from tpp.errors import ArgumentError
+
+from . import _host
+from .packing import PackedWeight, pack_kn, pack_nk
+
+ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
+_SERIAL_FLOPS = 4e6
+
+
+@dataclass(frozen=True)
+class Blocking:
+    bm: int      # rows of x per BRGEMM
+    kc: int      # K elements per BRGEMM (a chunk)
+
+
+def choose_blocking(m: int, k: int, dtype_out: _dt.DType) -> Blocking:
+    bm = m if m < 64 else 64
+    if dtype_out == _dt.BF16 or k <= 512:
+        return Blocking(bm, k)
+    return Blocking(bm, 256)
+
+
+def _check_blocking(bl, m, k, dtype_out, vnni):
+    if not isinstance(bl, Blocking):
+        raise ArgumentError(f"blocking must be an ops.Blocking, got {bl!r}")
+    for name in ("bm", "kc"):
+        v = getattr(bl, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ArgumentError(f"blocking.{name} must be a positive int, got {v!r}")
+    bl = Blocking(min(bl.bm, m), min(bl.kc, k))
+    if bl.kc < k and dtype_out == _dt.BF16:
+        raise ArgumentError("blocking.kc < K needs an f32 output (partial sums would be "
+                            "rounded to bf16)")
+    if bl.kc < k and vnni and bl.kc % 2:
+        raise ArgumentError(f"blocking.kc must be even for bf16 (VNNI pairs), got {bl.kc}")
+    return bl
+
+
+@functools.lru_cache(maxsize=256)
+def gemm_nest(m, n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
+    """The compiled nest computing y (m, n) = act(x (m, k) @ packed + bias)."""
+    bm, kc = bl.bm, bl.kc
+    m_full, m_tail = divmod(m, bm)
+    n_full, n_tail = divmod(n, bn)
+    chunks = -(-k // kc)
+    k_last = k - (chunks - 1) * kc
+    vnni = dtype == _dt.BF16
+    blocks_n = n_full + (n_tail > 0)
+    nest = tpp.LoopNest("aCB", a=chunks, b=m_full + (m_tail > 0), c=blocks_n)
+    a, b, c = nest.vars
+    x = nest.tensor("x", (m, k), dtype)
+    w = nest.tensor("w", (blocks_n, (k + 1) // 2, 2 * bn) if vnni else (blocks_n, k, bn), dtype)
+    y = nest.tensor("y", (m, n), dtype_out)
+    bias_t = nest.tensor("bias", (n,), dtype_out) if bias else None
+
+    row_cases = [(bm, (b < m_full,) if m_tail else ()), (m_tail, (b == m_full,))]
+    col_cases = [(bn, (c < n_full,) if n_tail else ()), (n_tail, (c == n_full,))]
+    if chunks == 1:
+        k_cases = [(k, 0, True, ())]
+    else:
+        k_cases = [(kc, 0, False, (a == 0,)), (k_last, 1, True, (a == chunks - 1,))]
+        if chunks > 2:
+            k_cases.insert(1, (kc, 1, False, (a > 0, a < chunks - 1)))
+    for rows, rcond in row_cases:
+        if rows == 0 or (rows == bm and m_full == 0):
+            continue
+        for cols, ccond in col_cases:
+            if cols == 0 or (cols == bn and n_full == 0):
+                continue
+            for depth, beta, last, kcond in k_cases:
+                spec = tpp.make_brgemm(
+                    rows, cols, depth, lda=k, ldb=2 * bn if vnni else bn, ldc=n,
+                    dtype_a=dtype, dtype_b=dtype, dtype_c=dtype_out, beta=beta, vnni_b=vnni,
+                    bias="row" if (bias and last) else None,
+                    activation=activation if last else None)
+                w_at = w[c, a * (kc // 2)] if vnni else w[c, a * kc]
+                nest.call(spec, x[b * bm, a * kc], w_at, y[b * bm, c * bn],
+                          bias=bias_t[c * bn] if (bias and last) else None,
+                          when=rcond + ccond + kcond)
+    return nest.compile()
+
+
+def matmul(a, b, out=None, bias=None, activation=None, *, out_dtype=None, blocking=None):
+    """act(a @ b + bias): a (M, K); b a (K, N) array or a PackedWeight (ops.pack_kn);
+    out (M, N) written in place when given. Returns the output."""
+    a = _host.host(a, "a")
+    if a.ndim != 2:
+        raise ArgumentError(f"a: expected a 2-D (M, K) array, got shape {tuple(a.shape)}")
+    packed = b if isinstance(b, PackedWeight) else pack_kn(b)
+    return _run(_host.contiguous(a), packed, out, bias, activation, out_dtype, blocking, "a")
+
+
+def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None):
+    """act(x @ w.T + b) like torch.nn.functional.linear: x (..., K); w (N, K) or a
+    PackedWeight from ops.pack_nk(w); returns (..., N)."""
+    x = _host.host(x, "x")
+    packed = w if isinstance(w, PackedWeight) else pack_nk(w)
+    x2, lead = _host.rows(x, packed.k, "x")
+    y = _run(x2, packed, None, b, activation, out_dtype, blocking, "x")
+    return y.reshape(*lead, packed.n)
+
+
+def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
+    if not isinstance(packed, PackedWeight):
+        raise ArgumentError(f"expected a PackedWeight, got {type(packed).__name__}")
+    dt = _host.dtype_of(a, name)
+    if dt != packed.dtype:
+        raise ArgumentError(f"{name} is {dt} but the weight is {packed.dtype}; use one dtype")
+    m, k = a.shape
+    if k != packed.k:
+        raise ArgumentError(f"{name}: {k} columns, but the weight has K = {packed.k} rows")
+    if m == 0:
+        raise ArgumentError(f"{name}: no rows")
+    if activation not in ACTIVATIONS:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    dt_out = dt if out_dtype is None else _dt.lookup(out_dtype)
+    if dt_out not in (_dt.F32, _dt.BF16) or (dt == _dt.F32 and dt_out != _dt.F32):
+        raise ArgumentError(f"out_dtype {dt_out} with {dt} inputs: f32 gives f32, bf16 gives "
+                            f"bf16 or f32")
+    bl = choose_blocking(m, k, dt_out) if blocking is None else blocking
+    bl = _check_blocking(bl, m, k, dt_out, dt == _dt.BF16)
+    tensors = {"x": a, "w": packed.data}
+    if bias is not None:
+        tensors["bias"] = _host.contiguous(_host.host(bias, "bias"))
+    if out is None:
+        out = _host.empty((m, packed.n), dt_out, a)
+    else:
+        out = _host.host(out, "out")
+    tensors["y"] = out
+    nest = gemm_nest(m, packed.n, k, packed.bn, dt, dt_out, bias is not None, activation, bl)
+    threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
+    nest(threads=threads, **tensors)
+    return out

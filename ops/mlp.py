@@ -1,0 +1,112 @@
+"""One fused MLP layer, y = act(x @ w.T + b), forward and backward, from TPPs only.
+
+    y, saved = ops.mlp_forward(x, w, b, "gelu")   # saved holds what the backward needs
+    dx, dw, db = ops.mlp_backward(dy, saved)
+    y = ops.mlp(x, w, b, "gelu")                  # inference: the epilogue does it all
+
+Forward: a BRGEMM nest with bias (and, for inference, the activation) fused in its epilogue;
+for training the pre-activation z is kept and the activation runs as a unary TPP.
+Backward, with dz = act_inv(dy, z) (the activation's backward TPP):
+    dx = dz @ w              BRGEMM nest over w packed as a (N, K) right operand
+    dw = dz.T @ x            transpose TPPs, then a BRGEMM nest over x packed
+    db = dz.sum(axis=0)      reduce_sum TPPs
+x (M, K) and w (N, K) are f32, or bf16 (f32 accumulation, bf16 results, as torch does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpp import dtypes as _dt
+from tpp.errors import ArgumentError
+
+from . import _host, blocked
+from .matmul import ACTIVATIONS, linear, matmul
+from .packing import PackedWeight, pack_kn, pack_nk
+
+_BACKWARD = {"relu": "relu_inv", "gelu": "gelu_inv", "sigmoid": "sigmoid_inv",
+             "tanh": "tanh_inv"}
+_SECOND = {"relu": "z", "gelu": "z", "sigmoid": "y", "tanh": "y"}   # what *_inv reads
+
+
+@dataclass
+class Saved:
+    """What mlp_backward needs from the forward."""
+    x: object          # (M, K)
+    w: object          # (N, K)
+    z: object          # pre-activation (M, N), or the output y for sigmoid/tanh (None: no act)
+    activation: str | None
+    bias: bool
+    lead: tuple = ()   # x's leading dimensions (dx gets them back)
+
+
+def _check(x, w, b, activation):
+    x = _host.host(x, "x")
+    w = _host.host(w, "weight")
+    if activation not in ACTIVATIONS:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if len(w.shape) != 2:
+        raise ArgumentError(f"weight: expected (N, K), got shape {tuple(w.shape)}")
+    n, k = w.shape
+    x2, lead = _host.rows(x, k, "x")
+    if b is not None:
+        b = _host.host(b, "bias")
+        if tuple(b.shape) != (n,):
+            raise ArgumentError(f"bias: expected shape ({n},), got {tuple(b.shape)}")
+    return x2, lead, _host.contiguous(w), b
+
+
+def mlp(x, w, b=None, activation=None, *, packed: PackedWeight | None = None):
+    """act(x @ w.T + b), x (..., K), w (N, K): inference, everything in one nest."""
+    x2, lead, w, b = _check(x, w, b, activation)
+    y = linear(x2, packed if packed is not None else pack_nk(w), b, activation)
+    return y.reshape(*lead, w.shape[0])
+
+
+def mlp_forward(x, w, b=None, activation=None, *, packed: PackedWeight | None = None):
+    """(y, Saved) for training; y has x's leading dimensions."""
+    x2, lead, w, b = _check(x, w, b, activation)
+    pw = packed if packed is not None else pack_nk(w)
+    n = w.shape[0]
+    if activation is None:
+        y = linear(x2, pw, b)
+        return y.reshape(*lead, n), Saved(x2, w, None, None, b is not None, lead)
+    z = linear(x2, pw, b)
+    y = _host.empty(z.shape, _host.dtype_of(z, "z"), z)
+    blocked.map_rows(activation, [z], y)
+    keep = z if _SECOND[activation] == "z" else y
+    return y.reshape(*lead, n), Saved(x2, w, keep, activation, b is not None, lead)
+
+
+def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True):
+    """(dx, dw, db) for dy = dL/dy (x's leading dims, N); a gradient not needed is None
+    (db is None without a bias)."""
+    x, w = saved.x, saved.w
+    m, k = x.shape
+    n = w.shape[0]
+    dt = _host.dtype_of(x, "x")
+    dy = _host.host(dy, "dy")
+    dy2, _ = _host.rows(dy, n, "dy")
+    if dy2.shape[0] != m:
+        raise ArgumentError(f"dy: {dy2.shape[0]} rows, the forward had {m}")
+    if _host.dtype_of(dy2, "dy") != dt:
+        raise ArgumentError(f"dy is {_host.dtype_of(dy2, 'dy')}, the forward ran in {dt}")
+    if saved.activation is None:
+        dz = dy2
+    else:
+        dz = _host.empty((m, n), dt, dy2)
+        blocked.map_rows(_BACKWARD[saved.activation], [dy2, saved.z], dz)
+    dx = dw = db = None
+    if need_x:
+        dx = matmul(dz, pack_kn(w)).reshape(*saved.lead, k)
+    if need_w:
+        dz_t = blocked.transpose(dz, _host.empty((n, m), dt, dz))
+        dw = matmul(dz_t, pack_kn(x))
+    if need_b and saved.bias:
+        sums = blocked.column_sums(dz, _host.empty((n,), _dt.F32, dz))
+        if dt == _dt.F32:
+            db = sums
+        else:
+            db = _host.empty((1, n), dt, dz)
+            blocked.map_rows("identity", [sums.reshape(1, n)], db)
+            db = db.reshape(n)
+    return dx, dw, db
