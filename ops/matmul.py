@@ -128,34 +128,48 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None):
     return y.reshape(*lead, packed.n)
 
 
-def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
-    if not isinstance(packed, PackedWeight):
-        raise ArgumentError(f"expected a PackedWeight, got {type(packed).__name__}")
-    dt = _host.dtype_of(a, name)
+_PLANS: dict = {}
+
+
+def _plan(m, k, packed, dt, dt_out_arg, has_bias, activation, blocking):
+    """(nest, threads) for one problem, validated once and then looked up."""
+    key = (m, k, packed.n, packed.bn, dt, dt_out_arg, has_bias, activation, blocking)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
     if dt != packed.dtype:
-        raise ArgumentError(f"{name} is {dt} but the weight is {packed.dtype}; use one dtype")
-    m, k = a.shape
+        raise ArgumentError(f"the input is {dt} but the weight is {packed.dtype}; use one dtype")
     if k != packed.k:
-        raise ArgumentError(f"{name}: {k} columns, but the weight has K = {packed.k} rows")
-    if m == 0:
-        raise ArgumentError(f"{name}: no rows")
+        raise ArgumentError(f"the input has {k} columns, but the weight has K = {packed.k} rows")
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    dt_out = dt if out_dtype is None else _dt.lookup(out_dtype)
+    dt_out = dt if dt_out_arg is None else _dt.lookup(dt_out_arg)
     if dt_out not in (_dt.F32, _dt.BF16) or (dt == _dt.F32 and dt_out != _dt.F32):
         raise ArgumentError(f"out_dtype {dt_out} with {dt} inputs: f32 gives f32, bf16 gives "
                             f"bf16 or f32")
     bl = choose_blocking(m, k, dt_out) if blocking is None else blocking
     bl = _check_blocking(bl, m, k, dt_out, dt == _dt.BF16)
-    tensors = {"x": a, "w": packed.data}
-    if bias is not None:
-        tensors["bias"] = _host.contiguous(_host.host(bias, "bias"))
+    nest = gemm_nest(m, packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
+    threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
+    plan = _PLANS[key] = (nest, threads, dt_out)
+    return plan
+
+
+def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
+    if not isinstance(packed, PackedWeight):
+        raise ArgumentError(f"expected a PackedWeight, got {type(packed).__name__}")
+    m, k = a.shape
+    if m == 0:
+        raise ArgumentError(f"{name}: no rows")
+    dt = _host.dtype_of(a, name)
+    nest, threads, dt_out = _plan(m, k, packed, dt, out_dtype, bias is not None, activation,
+                                  blocking)
     if out is None:
         out = _host.empty((m, packed.n), dt_out, a)
     else:
         out = _host.host(out, "out")
-    tensors["y"] = out
-    nest = gemm_nest(m, packed.n, k, packed.bn, dt, dt_out, bias is not None, activation, bl)
-    threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
-    nest(threads=threads, **tensors)
+    if bias is None:
+        nest(a, packed.data, out, threads=threads)
+    else:
+        nest(a, packed.data, out, _host.contiguous(_host.host(bias, "bias")), threads=threads)
     return out

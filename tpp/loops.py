@@ -86,7 +86,7 @@ class LoopNest:
         takes one address per operand, in its operand order; a BRGEMM (stride batch mode)
         takes a, b, c and optionally bias=, mask=, with int count= and element strides."""
         spec = getattr(kernel, "spec", kernel)
-        when = (when,) if isinstance(when, Cond) else tuple(when)
+        when = tuple(when) if isinstance(when, (tuple, list)) else (when,)
         if not all(isinstance(w, Cond) for w in when):
             raise SpecError("when= takes loop conditions such as (k == 0) or a tuple of them")
         for a in operands:
@@ -183,7 +183,13 @@ class CompiledNest:
             table[slots["runtime"]:slots["runtime"] + 4] = runtime
         self._template = table
         self._has_runtime = runtime is not None
-        self._entry = arrays.ffi.cast("void(*)(int64_t)", backend.compile(spec).address)
+        self._entry = arrays.ffi.cast("void(*)(int64_t *)", backend.compile(spec).address)
+        # the common call, checked in a few Python operations: numpy arrays of exactly the
+        # declared dtype and shape, C-contiguous, writable where written
+        self._plain = tuple((t.dtype.numpy, t.shape, k in written)
+                            for k, t in enumerate(spec.tensors))
+        self._position = {name: k for k, name in enumerate(self.names)}
+        self._tail = [int(v) for v in table[1 + len(spec.tensors):]]
 
     def __repr__(self):
         return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
@@ -217,12 +223,46 @@ class CompiledNest:
 
     def __call__(self, *args, threads=None, **named):
         """Run the nest on these arrays (numpy or torch CPU, one per declared tensor)."""
-        table = self.bind(*args, threads=threads, **named)
-        self._entry(table.ctypes.data)
+        table = self._fast_table(args, named, threads)
+        if table is None:
+            table = self.bind(*args, threads=threads, **named)
+        self.run(table)
 
-    def run(self, table: np.ndarray):
+    def _fast_table(self, args, named, threads):
+        """The call table for plain numpy arrays, or None: then `bind` checks and explains."""
+        given = list(args)
+        if named:
+            if args or len(named) != len(self._plain):
+                return None
+            given = [None] * len(self._plain)
+            for name, arr in named.items():
+                k = self._position.get(name)
+                if k is None:
+                    return None
+                given[k] = arr
+        elif len(given) != len(self._plain):
+            return None
+        if threads is None:
+            threads = self._threads.num_threads() if self._has_runtime else 1
+        elif not self._has_runtime or type(threads) is not int or threads < 1:
+            return None
+        values = [threads]
+        ndarray = np.ndarray
+        for arr, (dt, shape, written) in zip(given, self._plain):
+            if type(arr) is not ndarray or arr.dtype != dt or arr.shape != shape:
+                return None
+            flags = arr.flags
+            if not flags.c_contiguous or (written and not flags.writeable):
+                return None
+            values.append(arr.ctypes.data)
+        return values + self._tail
+
+    def run(self, table):
         """Run with a table from `bind` (the arrays it was bound to must still be alive)."""
-        self._entry(table.ctypes.data)
+        if isinstance(table, np.ndarray):
+            self._entry(arrays.ffi.cast("int64_t *", table.ctypes.data))
+        else:
+            self._entry(arrays.ffi.new("int64_t[]", table))
 
     def dump(self, what: str = "asm") -> str:
         from tpp_cpu import backend
