@@ -25,6 +25,7 @@ import functools
 from dataclasses import dataclass
 
 import tpp
+from tpp import arrays
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 
@@ -133,8 +134,12 @@ _PLANS: dict = {}
 
 def _plan(m, k, packed, dt, dt_out_arg, has_bias, activation, blocking):
     """(nest, threads) for one problem, validated once and then looked up."""
-    key = (m, k, packed.n, packed.bn, dt, dt_out_arg, has_bias, activation, blocking)
-    plan = _PLANS.get(key)
+    key = (m, k, packed.k, packed.n, packed.bn, dt, packed.dtype, dt_out_arg, has_bias,
+           activation, blocking)     # the weight's K and dtype too: they are checked below
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:       # an unhashable argument (activation=["relu"], ...): the checks
+        plan = key = None   # below reject it with an ArgumentError
     if plan is not None:
         return plan
     if dt != packed.dtype:
@@ -151,7 +156,9 @@ def _plan(m, k, packed, dt, dt_out_arg, has_bias, activation, blocking):
     bl = _check_blocking(bl, m, k, dt_out, dt == _dt.BF16)
     nest = gemm_nest(m, packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
     threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
-    plan = _PLANS[key] = (nest, threads, dt_out)
+    plan = (nest, threads, dt_out)
+    if key is not None:
+        _PLANS[key] = plan
     return plan
 
 
@@ -164,12 +171,17 @@ def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
     dt = _host.dtype_of(a, name)
     nest, threads, dt_out = _plan(m, k, packed, dt, out_dtype, bias is not None, activation,
                                   blocking)
+    if bias is not None:
+        bias = _host.contiguous(_host.host(bias, "bias"))
     if out is None:
         out = _host.empty((m, packed.n), dt_out, a)
     else:
         out = _host.host(out, "out")
+        # the nest reads its inputs while it writes out: shared memory gives wrong results
+        if any(arrays.overlap(out, t) for t in (a, packed.data, bias) if t is not None):
+            raise ArgumentError(f"out must not overlap {name}, the weight or the bias")
     if bias is None:
         nest(a, packed.data, out, threads=threads)
     else:
-        nest(a, packed.data, out, _host.contiguous(_host.host(bias, "bias")), threads=threads)
+        nest(a, packed.data, out, bias, threads=threads)
     return out

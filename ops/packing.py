@@ -53,8 +53,10 @@ def _check_bn(bn, n):
 def pack_kn(b, *, bn: int | None = None) -> PackedWeight:
     """Pack B given as a (K, N) array (the right operand of x @ B)."""
     b = _host.host(b, "b")
-    if b.ndim != 2:
-        raise ArgumentError(f"b: expected a 2-D (K, N) array, got shape {tuple(b.shape)}")
+    if b.ndim != 2 or 0 in b.shape:
+        raise ArgumentError(f"b: expected a non-empty 2-D (K, N) array, got shape "
+                            f"{tuple(b.shape)}")
+    b = _host.contiguous(b)     # a transposed view (w.T) too: the TPPs read unit-stride rows
     dt = _host.dtype_of(b, "b")
     k, n = b.shape
     bn = _check_bn(default_bn(n) if bn is None else bn, n)
@@ -72,8 +74,10 @@ def pack_kn(b, *, bn: int | None = None) -> PackedWeight:
 def pack_nk(w, *, bn: int | None = None) -> PackedWeight:
     """Pack B = w.T given w as an (N, K) array (torch.nn.Linear's weight layout)."""
     w = _host.host(w, "weight")
-    if w.ndim != 2:
-        raise ArgumentError(f"weight: expected a 2-D (N, K) array, got shape {tuple(w.shape)}")
+    if w.ndim != 2 or 0 in w.shape:
+        raise ArgumentError(f"weight: expected a non-empty 2-D (N, K) array, got shape "
+                            f"{tuple(w.shape)}")
+    w = _host.contiguous(w)
     dt = _host.dtype_of(w, "weight")
     n, k = w.shape
     bn = _check_bn(default_bn(n) if bn is None else bn, n)
