@@ -20,6 +20,11 @@ from tpp.errors import ArgumentError
 
 ROWS = 64
 COLS = 64
+_SERIAL_ELEMENTS = 1 << 16   # smaller matrices run on one thread: waking the team costs more
+
+
+def _threads(m, n):
+    return 1 if m * n < _SERIAL_ELEMENTS else None
 
 
 def _split(total, block):
@@ -60,7 +65,7 @@ def map_rows(op, inputs, out, **params):
             raise ArgumentError(f"input {k}: shape {tuple(x.shape)}, out is {(m, n)}")
     dts = tuple(_dtype(x) for x in inputs)
     nest = _map_nest(op, family, m, n, dts, _dtype(out), tuple(sorted(params.items())))
-    nest(*inputs, out)
+    nest(*inputs, out, threads=_threads(m, n))
     return out
 
 
@@ -83,7 +88,7 @@ def transpose(x, out):
     m, n = _shape2(x, "x")
     if _shape2(out, "out") != (n, m):
         raise ArgumentError(f"out: expected shape {(n, m)}, got {tuple(out.shape)}")
-    _transpose_nest(m, n, _dtype(x))(x, out)
+    _transpose_nest(m, n, _dtype(x))(x, out, threads=_threads(m, n))
     return out
 
 
@@ -105,7 +110,7 @@ def column_sums(x, out):
     m, n = _shape2(x, "x")
     if tuple(out.shape) != (n,):
         raise ArgumentError(f"out: expected shape {(n,)}, got {tuple(out.shape)}")
-    _colsum_nest(m, n, _dtype(x), _dtype(out))(x, out)
+    _colsum_nest(m, n, _dtype(x), _dtype(out))(x, out, threads=_threads(m, n))
     return out
 
 

@@ -1,0 +1,246 @@
+"""PyTorch drop-ins running on the TPP operators: a Linear layer and an MLP, with autograd.
+
+    import ops.torch
+    layer = ops.torch.Linear(768, 3072, activation="gelu")     # torch.nn.Linear's constructor
+    y = layer(x)                                               # x (..., 768) -> (..., 3072)
+    net = ops.torch.MLP(32, [64, 64, 10], activation="gelu")   # a torch.nn.Sequential of Linear
+    y = ops.torch.linear(x, weight, bias, "relu")              # functional form
+
+The forward is ops.mlp_forward (bias and activation fused), or ops.mlp when no gradient is
+wanted (under torch.no_grad(), or when nothing requires grad); the backward is
+ops.mlp_backward, computing only the gradients autograd asks for. Tensors must be on the CPU,
+f32, or bf16 (f32 accumulation, bf16 results, like torch); x, weight and bias of one dtype.
+Anything else raises a tpp.TPPError subclass: UnsupportedError for devices and dtypes,
+ArgumentError for shapes and mismatched dtypes. Double backward is not supported.
+
+Linear has torch.nn.Linear's parameters (`weight` (out, in), `bias` (out,)), initialisation
+and state_dict keys, so state dicts load both ways. It packs its weight into the GEMM layout
+once and reuses the packed copy while the weight's storage and version counter are unchanged
+(in-place updates by optimizers, load_state_dict or `with torch.no_grad(): w.copy_(...)` bump
+the version). Writes through `weight.data` bypass the version counter: call
+`layer.invalidate_packed()` after them.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+import ops as _ops
+from ops.matmul import ACTIVATIONS
+from tpp.errors import ArgumentError, UnsupportedError
+
+__all__ = ["LinearFunction", "Linear", "MLP", "linear"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_SAVES_OUTPUT = ("sigmoid", "tanh")     # their backward reads the output, not z
+
+
+def _check_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise UnsupportedError(f"{name}: tensor on {t.device}; ops.torch runs on CPU tensors "
+                               f"only")
+    if t.dtype not in _DTYPES:
+        raise UnsupportedError(f"{name}: dtype {t.dtype} is not supported; ops.torch supports "
+                               f"torch.float32 and torch.bfloat16")
+
+
+def _check_activation(activation):
+    try:
+        ok = activation in ACTIVATIONS
+    except TypeError:       # unhashable or odd comparisons
+        ok = False
+    if not ok:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _check(x, weight, bias, activation, packed=None):
+    """Validate a linear call up front, with messages in torch's terms."""
+    _check_tensor(x, "input")
+    _check_tensor(weight, "weight")
+    if bias is not None:
+        _check_tensor(bias, "bias")
+    _check_activation(activation)
+    if weight.dim() != 2:
+        raise ArgumentError(f"weight: expected (out_features, in_features), got shape "
+                            f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ArgumentError(f"input: expected shape (..., {k}) for a weight of shape "
+                            f"{tuple(weight.shape)}, got {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise ArgumentError(f"input is {x.dtype} but weight is {weight.dtype}; use one dtype "
+                            f"(torch.float32 or torch.bfloat16)")
+    if bias is not None:
+        if bias.dtype != weight.dtype:
+            raise ArgumentError(f"bias is {bias.dtype} but weight is {weight.dtype}; use one "
+                                f"dtype")
+        if tuple(bias.shape) != (n,):
+            raise ArgumentError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+    if packed is not None:
+        if not isinstance(packed, _ops.PackedWeight):
+            raise ArgumentError(f"packed: expected an ops.PackedWeight, got "
+                                f"{type(packed).__name__}")
+        same_dtype = getattr(torch, packed.dtype.torch_name) == weight.dtype
+        if (packed.n, packed.k) != (n, k) or not same_dtype:
+            raise ArgumentError(f"packed: {packed!r} does not match a weight of shape "
+                                f"{tuple(weight.shape)} and dtype {weight.dtype}")
+
+
+def _plain(t):
+    """t as a tensor that is not a view: autograd forbids in-place ops on view outputs of a
+    custom Function, and `nn.ReLU(inplace=True)` after a Linear must keep working."""
+    return t.detach() if t._is_view() else t
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = act(x @ weight.T + bias) on TPPs: LinearFunction.apply(x, weight, bias, activation,
+    packed), packed an ops.PackedWeight of weight (or None: packed here)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, packed):
+        n = weight.shape[0]
+        m = 1
+        for d in x.shape[:-1]:
+            m *= d
+        need = ctx.needs_input_grad[:3]
+        ctx.activation = activation
+        ctx.empty = m == 0
+        if m == 0:                      # torch.nn.Linear accepts an empty batch
+            ctx.shapes = (x.shape, weight.shape)
+            return x.new_empty((*x.shape[:-1], n))
+        if not any(need):
+            return _plain(_ops.mlp(x, weight, bias, activation, packed=packed))
+        y, saved = _ops.mlp_forward(x, weight, bias, activation, packed=packed)
+        y = _plain(y)
+        ctx.tpp_saved = saved
+        # saved through autograd too, so in-place changes to them before the backward raise
+        # torch's usual error instead of giving wrong gradients
+        ctx.save_for_backward(x, weight, y if activation in _SAVES_OUTPUT else None)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.empty:
+            x_shape, w_shape = ctx.shapes
+            dx = dy.new_zeros(x_shape) if need_x else None
+            dw = dy.new_zeros(w_shape) if need_w else None
+            db = dy.new_zeros(w_shape[0]) if need_b else None
+            return dx, dw, db, None, None
+        ctx.saved_tensors               # the version check
+        saved = ctx.tpp_saved
+        dx, dw, db = _ops.mlp_backward(dy.contiguous(), saved, need_x=need_x, need_w=need_w,
+                                       need_b=need_b)
+        return dx, dw, db, None, None
+
+
+def linear(x, weight, bias=None, activation=None, *, packed=None):
+    """act(x @ weight.T + bias) like torch.nn.functional.linear followed by the activation
+    (None, "relu", "gelu" (erf form), "sigmoid", "tanh"); differentiable in x, weight, bias.
+    packed: an ops.pack_nk(weight.detach()) to reuse (it must hold weight's current values)."""
+    _check(x, weight, bias, activation, packed)
+    return _linear(x, weight, bias, activation, packed)
+
+
+def _linear(x, weight, bias, activation, packed):
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                         (bias is not None and bias.requires_grad))
+    if not grad and x.numel() > 0:
+        return _plain(_ops.mlp(x, weight, bias, activation, packed=packed))
+    return LinearFunction.apply(x, weight, bias, activation, packed)
+
+
+class Linear(torch.nn.Module):
+    """torch.nn.Linear on TPPs, with an optional fused activation.
+
+    Linear(in_features, out_features, bias=True, device=None, dtype=None, activation=None):
+    parameters `weight` (out_features, in_features) and `bias` (out_features,) initialised as
+    torch.nn.Linear does (same random stream), state_dict keys "weight" and "bias". Input
+    (..., in_features), output (..., out_features)."""
+
+    __constants__ = ["in_features", "out_features", "activation"]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, activation: str | None = None):
+        _check_activation(activation)
+        if dtype is not None and dtype not in _DTYPES:
+            raise UnsupportedError(f"dtype {dtype} is not supported; ops.torch.Linear supports "
+                                   f"torch.float32 and torch.bfloat16")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        self.weight = torch.nn.Parameter(torch.empty((out_features, in_features),
+                                                     **factory_kwargs))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory_kwargs))
+        else:
+            self.register_parameter("bias", None)
+        self._packed_cache = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.Linear.reset_parameters(self)      # kaiming_uniform_(a=sqrt(5)), fan-in bias
+        self._packed_cache = None
+
+    def invalidate_packed(self) -> None:
+        """Drop the packed weight (needed only after writes through `weight.data`)."""
+        self._packed_cache = None
+
+    def packed_weight(self):
+        """The weight packed for the GEMM nests, repacked only when the weight changed."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(w.stride()))
+        cache = self._packed_cache
+        if cache is not None and cache[0] == key:
+            return cache[2]
+        src = w.detach()        # shares storage and version counter with the weight; holding
+        packed = _ops.pack_nk(src)  # it keeps its address from being reused by another tensor
+        self._packed_cache = (key, src, packed)
+        return packed
+
+    def forward(self, x):
+        _check(x, self.weight, self.bias, self.activation)     # before packing the weight
+        return _linear(x, self.weight, self.bias, self.activation, self.packed_weight())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, activation={self.activation!r}")
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_packed_cache"] = None   # derived data: never pickled or deep-copied
+        return state
+
+
+class MLP(torch.nn.Sequential):
+    """A stack of ops.torch.Linear layers: layer i maps to hidden_features[i], with
+    `activation` fused after every layer but the last (like torchvision.ops.MLP without
+    dropout or norm layers).
+
+    MLP(in_features, hidden_features: list[int], activation="gelu", bias=True, dtype=None,
+    device=None). state_dict keys: "0.weight", "0.bias", "1.weight", "1.bias", ... (one index
+    per Linear; an equivalent torch.nn.Sequential with separate activation modules numbers its
+    Linear layers 0, 2, 4, ...)."""
+
+    def __init__(self, in_features: int, hidden_features, activation: str | None = "gelu",
+                 bias: bool = True, dtype=None, device=None):
+        hidden = list(hidden_features)
+        if not hidden:
+            raise ArgumentError("hidden_features: expected at least one layer size, got none")
+        _check_activation(activation)
+        layers = []
+        width = in_features
+        for i, out in enumerate(hidden):
+            act = activation if i < len(hidden) - 1 else None
+            layers.append(Linear(width, out, bias=bias, device=device, dtype=dtype,
+                                 activation=act))
+            width = out
+        super().__init__(*layers)
+        self.in_features = in_features
+        self.hidden_features = hidden
+        self.activation = activation
