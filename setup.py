@@ -13,7 +13,7 @@ setup(
         # 2.13.0 is the CPU build these machines keep on disk; an unpinned torch pulls a CUDA build.
         "torch": ["torch==2.13.0"],
         "cuda": ["cupy-cuda12x"],
-        "bench": ["rich>=13", "torch==2.13.0"],
+        "bench": ["rich>=13", "torch==2.13.0", "threadpoolctl>=3"],
         "plot": ["matplotlib"],
         "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "torch==2.13.0", "rich>=13"],
     },

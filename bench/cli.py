@@ -1,6 +1,8 @@
 """tpp-bench: the microbenchmark command line.
 
-    tpp-bench                         the default suites (peak, eltwise, overhead, brgemm; ~20 s)
+    tpp-bench                         the default suites (peak, eltwise, overhead, brgemm, and
+                                      gemm, mlp at their quick sizes; ~30 s)
+    tpp-bench gemm mlp                ops.matmul, ops.mlp_forward/backward at full sizes (~1 min)
     tpp-bench eltwise jit             named suites
     tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
     tpp-bench brgemm --dtype bf16 --csv out.csv --plot out.png   (out-brgemm.png, ...)
@@ -85,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a bar chart per suite to FILE-<suite>.png and a roofline to "
                         "FILE-roofline.png (needs matplotlib)")
     p.add_argument("--threads", type=_positive_int, default=1, metavar="N",
-                   help="threads for numpy/torch (default 1: the benchmarks are single-threaded)")
+                   help="threads for numpy/torch (default 1: the benchmarks are single-threaded; "
+                        "gemm and mlp run their thread teams on every core, or on N if N > 1)")
     p.add_argument("--shapes", type=_shape_list, metavar="MxN[,MxN...]",
                    help="block shapes for the eltwise suite (default 64x64,4096x4096)")
     p.add_argument("--providers", default="tpp,numpy,torch", metavar="LIST",
@@ -201,11 +204,12 @@ def main(argv=None) -> int:
             return 0
         print()
 
-    if not names:
-        names = registry.defaults()   # the quick default set: ~20 s on a 2-core Zen 3
+    overview = not names
+    if overview:
+        names = registry.defaults()   # the quick default set: ~30 s on a 2-core Zen 3
     clock = args.clock if args.clock != "auto" else ("cpu" if args.threads == 1 else "wall")
     config = registry.Config(quick=args.quick, tiny=args.tiny, shapes=args.shapes,
-                             clock=clock,
+                             clock=clock, overview=overview,
                              threads=args.threads, providers=providers, dtypes=dtypes,
                              verify=args.verify,
                              verbose=not args.quiet)

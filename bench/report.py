@@ -73,6 +73,12 @@ _TITLES = {
     "jit": "jit: kernel compile and load times (ms)",
     "brgemm": "brgemm: GFLOP/s (2*m*n*k*batch / median time), shape = m x n x k x batch; "
               "tpp/peak = of the FMA (bf16: dot) peak; vs X = tpp speed / X speed",
+    "gemm": "gemm: ops.matmul GFLOP/s (2*M*K*N / median time; weights packed once), shape = "
+            "M x K x N, t<n> = threads; tpp/peak = of the one-core peak x threads; linear: "
+            "us per call; vs X = tpp speed / X speed",
+    "mlp": "mlp: one gelu MLP layer, GFLOP/s (fwd+bwd: 6*M*K*N, fwd: 2*M*K*N / median time), "
+           "shape = tokens x K x N, t<n> = threads; tpp/peak = of the one-core peak x threads; "
+           "vs X = tpp speed / X speed",
 }
 
 

@@ -84,7 +84,7 @@ def test_help_and_list(capsys):
     assert "usage: tpp-bench" in capsys.readouterr().out
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
-    for name in ("peak", "eltwise", "overhead", "jit", "info"):
+    for name in ("peak", "eltwise", "overhead", "jit", "gemm", "mlp", "info"):
         assert name in out
 
 
@@ -158,6 +158,95 @@ def test_tiny_jit(tmp_path, capsys):
     cases = {r["case"] for r in records}
     assert {"compile_cold/relu", "cache_load/relu"} <= cases
     assert all(r["unit"] == "ms" for r in records)
+
+
+def _gemm_mlp_checks(records, threads):
+    """What every gemm and mlp record carries, whatever the dtypes asked for."""
+    for r in records:
+        if r["suite"] not in ("gemm", "mlp"):
+            continue
+        assert len(r["shape"]) == 3
+        if r["provider"] != "numpy":    # numpy's BLAS keeps the threads it was pinned to
+            assert r["extra"]["threads"] in (1, threads)
+            assert r["case"].endswith(f" t{r['extra']['threads']}")
+        if r["metric"] == "compute":
+            assert r["peak_fraction"] is not None      # the peak suite ran first
+            assert r["extra"]["flops_per_call"] > 0 and r["extra"]["clock"] == "wall"
+        if r["provider"] == "tpp":
+            assert set(r["ratios"]) <= {"numpy", "torch"}
+            if r["metric"] == "compute":
+                assert r["extra"]["verified"] is True, r
+        if r["suite"] == "mlp":
+            assert r["provider"] in ("tpp", "torch") and r["metric"] == "compute"
+
+
+def test_tiny_gemm_mlp_json_schema(tmp_path, capsys):
+    from bench.suites._common import all_threads
+    from bench.suites import Config, Context
+    threads = all_threads(Context(Config()))
+    path = tmp_path / "out.json"
+    rc = cli.main(["gemm", "mlp", "--tiny", "--quick", "-q", "--plain", "--json", str(path)])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    assert "gemm" in out and "mlp" in out
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    assert [r["suite"] for r in records][0] == "peak"
+    _gemm_mlp_checks(records, threads)
+    gemm = {(r["case"], tuple(r["shape"]), r["provider"]): r for r in records
+            if r["suite"] == "gemm"}
+    team = f"t{threads}"
+    for case, shape in ((f"f32 {team}", (64, 64, 64)), (f"f32 {team}", (50, 70, 90)),
+                        (f"bf16 {team}", (64, 64, 64))):
+        assert (case, shape, "tpp") in gemm and (case, shape, "numpy") in gemm
+        assert gemm[case, shape, "tpp"]["dtype"] == case.split()[0]
+    if threads > 1:   # the one-thread twin, and the scaling read off it
+        assert ("f32 t1", (64, 64, 64), "tpp") in gemm
+        assert gemm[f"f32 {team}", (64, 64, 64), "tpp"]["extra"]["vs_t1"] > 0
+    linear = {p: r for (c, _, p), r in gemm.items() if c == "linear t1"}
+    assert set(linear) >= {"tpp", "numpy"}
+    assert all(r["metric"] == "time" and r["unit"] == "us" for r in linear.values())
+    bf16_numpy = gemm[f"bf16 {team}", (64, 64, 64), "numpy"]
+    assert "f32 copies" in bf16_numpy["extra"]["computed_on"]
+    mlp = {(r["case"], r["provider"]) for r in records if r["suite"] == "mlp"}
+    for case in ("fwd+bwd f32", "fwd f32", "fwd+bwd bf16", "fwd bf16"):
+        assert (f"{case} {team}", "tpp") in mlp
+    if sys.modules.get("torch") is not None:
+        assert (f"fwd+bwd f32 {team}", "torch") in mlp
+        assert gemm[f"f32 {team}", (64, 64, 64), "tpp"]["ratios"].keys() == {"numpy", "torch"}
+
+
+def test_gemm_mlp_dtype_and_providers(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert cli.main(["gemm", "mlp", "--tiny", "--quick", "-q", "--plain", "--dtype", "bf16",
+                     "--providers", "tpp", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    _check_schema(records)
+    measured = [r for r in records if r["suite"] != "peak"]
+    assert {r["suite"] for r in measured} == {"gemm", "mlp"}
+    assert {r["dtype"] for r in measured} == {"bf16"}      # no f32 case, no f32 linear
+    assert {r["provider"] for r in measured} == {"tpp"}
+    assert all(r["ratios"] == {} for r in measured)
+
+
+def test_gemm_mlp_sizes_follow_the_mode():
+    """--quick and the default set (no suite named) take the small sizes; a named full run
+    the large ones, with the one-thread twin where there is more than one core."""
+    from bench.suites import Config, Context, defaults, gemm, load
+    from bench.suites._common import all_threads, quick_sizes
+    load()
+    assert {"gemm", "mlp"} <= set(defaults())
+    big = {(2048, 2048, 2048), (1000, 1000, 1000)}
+    for config in (Config(quick=True), Config(overview=True)):
+        ctx = Context(config)
+        assert quick_sizes(ctx)
+        assert {c.shape for c in gemm.cases(ctx)} == {(256, 256, 256), (512, 512, 512)}
+    ctx = Context(Config(threads=3))
+    assert not quick_sizes(ctx) and all_threads(ctx) == 3
+    full = gemm.cases(ctx)
+    assert big <= {c.shape for c in full}
+    assert [c.name for c in full if c.threads == 1] == ["f32 t1"]
+    assert {c.dtype for c in full if c.shape == (2048, 2048, 2048)} == {"f32"}
 
 
 def test_python_dash_m(tmp_path):

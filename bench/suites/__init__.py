@@ -25,7 +25,7 @@ from ..records import Record
 from ..timing import Settings
 
 # modules of this package that define suites, imported by load(); order is the listing order
-BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm")
+BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm", "gemm", "mlp")
 
 # the dtypes the suites' cases are measured in (a record's `dtype`); what --dtype accepts
 DTYPES = ("f32", "bf16")
@@ -69,6 +69,7 @@ def defaults() -> list[str]:
 class Config:
     quick: bool = False
     tiny: bool = False                 # test mode: minimal sizes and times, numbers meaningless
+    overview: bool = False             # the default set, no suite named: quick problem sizes
     shapes: list | None = None         # eltwise shapes [(m, n), ...]; None: the suite's default
     threads: int = 1
     clock: str = "wall"                # timing.CLOCKS key
