@@ -183,13 +183,14 @@ class CompiledNest:
             table[slots["runtime"]:slots["runtime"] + 4] = runtime
         self._template = table
         self._has_runtime = runtime is not None
-        self._entry = arrays.ffi.cast("void(*)(int64_t *)", backend.compile(spec).address)
+        self._entry = arrays.ffi.cast("void(*)(void **)", backend.compile(spec).address)
         # the common call, checked in a few Python operations: numpy arrays of exactly the
         # declared dtype and shape, C-contiguous, writable where written
         self._plain = tuple((t.dtype.numpy, t.shape, k in written)
                             for k, t in enumerate(spec.tensors))
         self._position = {name: k for k, name in enumerate(self.names)}
-        self._tail = [int(v) for v in table[1 + len(spec.tensors):]]
+        self._tail_pointers = [arrays.ffi.cast("void *", int(v))
+                               for v in table[1 + len(spec.tensors):]]
 
     def __repr__(self):
         return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
@@ -246,23 +247,23 @@ class CompiledNest:
             threads = self._threads.num_threads() if self._has_runtime else 1
         elif not self._has_runtime or type(threads) is not int or threads < 1:
             return None
-        values = [threads]
-        ndarray = np.ndarray
+        from_buffer, ndarray = arrays.ffi.from_buffer, np.ndarray
+        buffers = []          # keeps each buffer object alive until the call returns
         for arr, (dt, shape, written) in zip(given, self._plain):
             if type(arr) is not ndarray or arr.dtype != dt or arr.shape != shape:
                 return None
-            flags = arr.flags
-            if not flags.c_contiguous or (written and not flags.writeable):
+            try:      # raises BufferError unless C-contiguous (and writable if written)
+                buffers.append(from_buffer(arr, require_writable=written))
+            except (BufferError, TypeError, ValueError):
                 return None
-            values.append(arr.ctypes.data)
-        return values + self._tail
+        return [arrays.ffi.cast("void *", threads)] + buffers + self._tail_pointers
 
     def run(self, table):
         """Run with a table from `bind` (the arrays it was bound to must still be alive)."""
         if isinstance(table, np.ndarray):
-            self._entry(arrays.ffi.cast("int64_t *", table.ctypes.data))
+            self._entry(arrays.ffi.cast("void **", table.ctypes.data))
         else:
-            self._entry(arrays.ffi.new("int64_t[]", table))
+            self._entry(arrays.ffi.new("void *[]", table))
 
     def dump(self, what: str = "asm") -> str:
         from tpp_cpu import backend
