@@ -15,7 +15,7 @@ the tile is in registers. Rows, columns and K past the last full block get kerne
 own sizes, chosen by `when=` guards, so any shape runs without padding the input.
 
 Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows (all of a
-smaller M), bn = the weight's panel width (64), kc = K up to 512, else 256-element chunks;
+smaller M), bn = the weight's panel width (64), kc = K up to 768, else 512-element chunks;
 bf16 output keeps K whole (a bf16 C cannot carry partial sums). Problems under 4 MFLOP run on
 one thread: the team's wake-up would cost more than it saves.
 """
@@ -44,9 +44,9 @@ class Blocking:
 
 def choose_blocking(m: int, k: int, dtype_out: _dt.DType) -> Blocking:
     bm = m if m < 64 else 64
-    if dtype_out == _dt.BF16 or k <= 512:
+    if dtype_out == _dt.BF16 or k <= 768:
         return Blocking(bm, k)
-    return Blocking(bm, 256)
+    return Blocking(bm, 512)
 
 
 def _check_blocking(bl, m, k, dtype_out, vnni):

@@ -13,7 +13,7 @@ bf16 output then rounds to nearest: half an ulp, 2^-8 relative.
 
 Shapes are few on purpose: every distinct problem compiles one loop nest (0.1 to 1.5 s here).
 Sizes 65, 70, 130, 200 leave row and column remainders (bm = bn = 64); K = 1100 with an f32
-output runs 256-element chunks: first (beta 0), middle (beta 1), and a 76-deep last chunk with
+output runs 512-element chunks: first (beta 0), middle (beta 1), and a 76-deep last chunk with
 the epilogue.
 """
 import importlib
@@ -104,8 +104,8 @@ MATMUL_CASES = [
     (65, 1, 130, "f32", None, True, "relu", None),           # a single column
     (70, 65, 1, "f32", None, True, "sigmoid", None),         # K = 1
     (130, 200, 100, "f32", None, False, None, None),         # remainders both ways, 12 tiles
-    (65, 70, 1100, "f32", None, True, "gelu", None),         # 5 K chunks: 256 x 4 + 76
-    (3, 5, 600, "f32", None, False, "tanh", None),           # 3 chunks, tiny tiles
+    (65, 70, 1100, "f32", None, True, "gelu", None),         # 3 K chunks: 512 x 2 + 76
+    (3, 5, 1300, "f32", None, False, "tanh", None),          # 3 chunks, tiny tiles
     (70, 130, 200, "bf16", None, True, "relu", None),        # bf16 in, bf16 out
     (33, 20, 67, "bf16", None, False, "gelu", None),         # odd K: a padded VNNI pair
     (65, 70, 1100, "bf16", "f32", True, "tanh", None),       # bf16 in, f32 out, K chunks
@@ -175,8 +175,8 @@ def test_matmul_hypothesis(m, n, k, kind, act, has_bias, seed):
 def test_choose_blocking():
     f32, bf = tpp.F32, tpp.BF16
     assert ops.choose_blocking(1, 1, f32) == ops.Blocking(1, 1)
-    assert ops.choose_blocking(63, 512, f32) == ops.Blocking(63, 512)
-    assert ops.choose_blocking(65, 513, f32) == ops.Blocking(64, 256)
+    assert ops.choose_blocking(63, 768, f32) == ops.Blocking(63, 768)
+    assert ops.choose_blocking(65, 769, f32) == ops.Blocking(64, 512)
     assert ops.choose_blocking(200, 1100, bf) == ops.Blocking(64, 1100)   # bf16 out: K whole
 
 
@@ -300,7 +300,7 @@ def test_packed_torch_in_torch_out():
 
 @pytest.mark.parametrize("m,n,k,dtype,has_bias,act", [
     (130, 200, 100, "f32", False, None),      # 12 tiles, 5.2 MFLOP: runs parallel
-    (65, 70, 1100, "f32", True, "gelu"),      # 5 K chunks, a barrier after each
+    (65, 70, 1100, "f32", True, "gelu"),      # 3 K chunks, a barrier after each
     (70, 130, 200, "bf16", True, "relu"),
 ])
 def test_thread_counts_give_identical_results(m, n, k, dtype, has_bias, act):
