@@ -493,3 +493,17 @@ def test_bad_thread_environment(clean_env, name, value):
 def test_bad_set_num_threads(n):
     with pytest.raises(tpp.ArgumentError, match="positive int"):
         tpp.set_num_threads(n)
+
+
+def test_readme_blocked_gemm_runs():
+    """The README's twenty-line blocked GEMM runs as printed and computes A @ B."""
+    import pathlib
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    snippet = text.split("A blocked GEMM in twenty lines:")[1].split("```python")[1].split("```")[0]
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    Mb, Nb, Kb, bm, bn, bk = (scope[k] for k in ("Mb", "Nb", "Kb", "bm", "bn", "bk"))
+    a = scope["A_"].transpose(0, 2, 1, 3).reshape(Mb * bm, Kb * bk).astype(np.float64)
+    b = scope["B_"].transpose(1, 2, 0, 3).reshape(Kb * bk, Nb * bn).astype(np.float64)
+    got = scope["C_"].transpose(1, 2, 0, 3).reshape(Mb * bm, Nb * bn)
+    np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-3)
