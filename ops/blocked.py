@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 
 import tpp
-from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
+
+from . import _host
 
 ROWS = 64
 COLS = 64
@@ -27,8 +28,10 @@ def _threads(m, n):
     return 1 if m * n < _SERIAL_ELEMENTS else None
 
 
-def _split(total, block):
-    """[(size, condition builder)] of the full blocks and the tail for a loop var."""
+def split(total, block):
+    """How a loop over the blocks of `total` elements, `block` at a time, meets them:
+    ([(block size, guard builder)], block count). A guard builder takes the loop variable and
+    returns the `when=` conditions selecting that size: the full blocks, then the tail."""
     full, tail = divmod(total, block)
     cases = []
     if full:
@@ -40,7 +43,7 @@ def _split(total, block):
 
 @functools.lru_cache(maxsize=256)
 def _map_nest(op, family, m, n, dtypes_in, dtype_out, params):
-    cases, blocks = _split(m, ROWS)
+    cases, blocks = split(m, ROWS)
     nest = tpp.LoopNest("A", a=blocks)
     a, = nest.vars
     ins = [nest.tensor(f"in{k}", (m, n), dt) for k, dt in enumerate(dtypes_in)]
@@ -71,8 +74,8 @@ def map_rows(op, inputs, out, **params):
 
 @functools.lru_cache(maxsize=256)
 def _transpose_nest(m, n, dtype):
-    rcases, rblocks = _split(m, ROWS)
-    ccases, cblocks = _split(n, COLS)
+    rcases, rblocks = split(m, ROWS)
+    ccases, cblocks = split(n, COLS)
     nest = tpp.LoopNest("AB", a=rblocks, b=cblocks)
     a, b = nest.vars
     x = nest.tensor("x", (m, n), dtype)
@@ -94,7 +97,7 @@ def transpose(x, out):
 
 @functools.lru_cache(maxsize=256)
 def _colsum_nest(m, n, dtype, dtype_out):
-    cases, blocks = _split(n, COLS)
+    cases, blocks = split(n, COLS)
     nest = tpp.LoopNest("A", a=blocks)
     a, = nest.vars
     x = nest.tensor("x", (m, n), dtype)
@@ -121,8 +124,4 @@ def _shape2(x, name):
 
 
 def _dtype(x):
-    from tpp import arrays
-    dt = arrays.geometry(x, "array")[0]
-    if dt not in _dt.FLOAT_DTYPES:
-        raise ArgumentError(f"expected f32, bf16 or f16 data, got {x.dtype}")
-    return dt
+    return _host.dtype_of(x, "array")

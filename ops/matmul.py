@@ -30,6 +30,7 @@ from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 
 from . import _host
+from .blocked import split
 from .packing import PackedWeight, pack_kn, pack_nk
 
 ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
@@ -69,33 +70,26 @@ def _check_blocking(bl, m, k, dtype_out, vnni):
 def gemm_nest(m, n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
     """The compiled nest computing y (m, n) = act(x (m, k) @ packed + bias)."""
     bm, kc = bl.bm, bl.kc
-    m_full, m_tail = divmod(m, bm)
-    n_full, n_tail = divmod(n, bn)
+    row_cases, blocks_m = split(m, bm)
+    col_cases, blocks_n = split(n, bn)
     chunks = -(-k // kc)
     k_last = k - (chunks - 1) * kc
     vnni = dtype == _dt.BF16
-    blocks_n = n_full + (n_tail > 0)
-    nest = tpp.LoopNest("aCB", a=chunks, b=m_full + (m_tail > 0), c=blocks_n)
+    nest = tpp.LoopNest("aCB", a=chunks, b=blocks_m, c=blocks_n)
     a, b, c = nest.vars
     x = nest.tensor("x", (m, k), dtype)
     w = nest.tensor("w", (blocks_n, (k + 1) // 2, 2 * bn) if vnni else (blocks_n, k, bn), dtype)
     y = nest.tensor("y", (m, n), dtype_out)
     bias_t = nest.tensor("bias", (n,), dtype_out) if bias else None
 
-    row_cases = [(bm, (b < m_full,) if m_tail else ()), (m_tail, (b == m_full,))]
-    col_cases = [(bn, (c < n_full,) if n_tail else ()), (n_tail, (c == n_full,))]
     if chunks == 1:
         k_cases = [(k, 0, True, ())]
     else:
         k_cases = [(kc, 0, False, (a == 0,)), (k_last, 1, True, (a == chunks - 1,))]
         if chunks > 2:
             k_cases.insert(1, (kc, 1, False, (a > 0, a < chunks - 1)))
-    for rows, rcond in row_cases:
-        if rows == 0 or (rows == bm and m_full == 0):
-            continue
-        for cols, ccond in col_cases:
-            if cols == 0 or (cols == bn and n_full == 0):
-                continue
+    for rows, row_guard in row_cases:
+        for cols, col_guard in col_cases:
             for depth, beta, last, kcond in k_cases:
                 spec = tpp.make_brgemm(
                     rows, cols, depth, lda=k, ldb=2 * bn if vnni else bn, ldc=n,
@@ -105,7 +99,7 @@ def gemm_nest(m, n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
                 w_at = w[c, a * (kc // 2)] if vnni else w[c, a * kc]
                 nest.call(spec, x[b * bm, a * kc], w_at, y[b * bm, c * bn],
                           bias=bias_t[c * bn] if (bias and last) else None,
-                          when=rcond + ccond + kcond)
+                          when=row_guard(b) + col_guard(c) + kcond)
     return nest.compile()
 
 

@@ -348,18 +348,27 @@ def operand_extent(op) -> int:
     return op.cols
 
 
+BRGEMM_RAW = ("a", "b", "c", "bias", "mask")   # the raw ABI's pointer arguments, in order
+
+
+def raw_operands(spec) -> tuple:
+    """The Operand behind each raw argument of a primitive's compiled function, in order
+    (None for a scalar, and for BRGEMM's bias/mask pointers when the spec has none)."""
+    ops = spec.operands()
+    if spec.family != "brgemm":
+        return tuple(ops) + (None,) * len(spec.scalars)
+    by_name = {o.name: o for o in ops}
+    return tuple(by_name.get(name) for name in BRGEMM_RAW) + (None,) * len(spec.scalars)
+
+
 def call_extents(spec, args) -> list:
     """Per raw argument: the elements the call may touch from that address (None: a scalar)."""
-    if spec.family != "brgemm":
-        return [operand_extent(op) for op in spec.operands()] + [None] * len(spec.scalars)
-    ops = {op.name: op for op in spec.operands()}
-    count, arg_a, arg_b = (a.const for a in args[5:8])
-    ext = [(count - 1) * arg_a + operand_extent(ops["a"]),
-           (count - 1) * arg_b + operand_extent(ops["b"]),
-           operand_extent(ops["c"]),
-           operand_extent(ops["bias"]) if "bias" in ops else None,
-           operand_extent(ops["mask"]) if "mask" in ops else None]
-    return ext + [None] * 3
+    ext = [None if op is None else operand_extent(op) for op in raw_operands(spec)]
+    if spec.family == "brgemm":      # stride mode: count blocks, arg_a/arg_b elements apart
+        count, arg_a, arg_b = (a.const for a in args[5:8])
+        ext[0] += (count - 1) * arg_a
+        ext[1] += (count - 1) * arg_b
+    return ext
 
 
 def _check_bounds(spec, call):

@@ -29,7 +29,7 @@ from . import arrays
 from . import dtypes as _dt
 from .errors import ArgumentError, SpecError, UnsupportedError
 from .loop_spec import (LETTERS, Address, Affine, Call, Cond, Expr, Loop, LoopNestSpec, Tensor,
-                        affine, parse_order)
+                        affine, parse_order, raw_operands)
 
 
 class TensorRef:
@@ -106,9 +106,9 @@ class LoopNest:
                 args += (affine(seed),)
         else:
             raise SpecError(f"a nest calls tpp primitives (kernels or specs), got {kernel!r}")
-        for k, arg in enumerate(args):
+        for k, (arg, op) in enumerate(zip(args, raw_operands(spec))):
             if isinstance(arg, Address):
-                want = self._operand_dtype(spec, k)
+                want = None if op is None else op.dtype
                 have = self._tensors[arg.tensor].dtype
                 if want is not None and want != have:
                     raise SpecError(f"{spec.op} operand {k} is {want}, tensor "
@@ -128,15 +128,6 @@ class LoopNest:
             raise SpecError("brgemm: pass bias= exactly when the spec has a bias, and mask= "
                             "exactly when it writes a bitmask")
         return tuple(operands) + (bias, mask, affine(count), affine(stride_a), affine(stride_b))
-
-    @staticmethod
-    def _operand_dtype(spec, k):
-        if spec.family == "brgemm":
-            names = ("a", "b", "c", "bias", "mask")
-            ops = {o.name: o for o in spec.operands()}
-            return ops[names[k]].dtype if k < 5 and names[k] in ops else None
-        ops = spec.operands()
-        return ops[k].dtype if k < len(ops) else None
 
     def spec(self) -> LoopNestSpec:
         if not self._calls:
@@ -169,9 +160,8 @@ class CompiledNest:
         self.names = tuple(t.name for t in spec.tensors)
         written = set()
         for call in spec.calls:
-            roles = _roles(call.spec)
-            for arg, role in zip(call.args, roles):
-                if isinstance(arg, Address) and role != "in":
+            for arg, op in zip(call.args, raw_operands(call.spec)):
+                if isinstance(arg, Address) and op is not None and op.role != "in":
                     written.add(arg.tensor)
         self._written = frozenset(written)
         slots = loopnest.layout(spec)
@@ -268,13 +258,6 @@ class CompiledNest:
     def dump(self, what: str = "asm") -> str:
         from tpp_cpu import backend
         return backend.dump(self.spec, what)
-
-
-def _roles(spec) -> tuple:
-    if spec.family == "brgemm":
-        ops = {o.name: o.role for o in spec.operands()}
-        return tuple(ops.get(n, "in") for n in ("a", "b", "c", "bias", "mask"))
-    return tuple(o.role for o in spec.operands())
 
 
 def _check(tensor: Tensor, arr, writable: bool) -> int:

@@ -180,9 +180,8 @@ def generate(spec, target, symbol: str) -> ir.Module:
     run_ty = ir.FunctionType(ir.VoidType(), [PTR, I64, I64])
     run = ir.Function(module, run_ty, name=f"{symbol}_run")
     run.linkage = "internal"
-    _Gen(spec, module).emit_run(run)
-
     gen = _Gen(spec, module)
+    gen.emit_run(run)
     # the OpenMP outlined body: every thread of the team runs `run` with its id
     body = ir.Function(module, ir.FunctionType(ir.VoidType(), [PTR]), name=f"{symbol}_omp")
     body.linkage = "internal"
