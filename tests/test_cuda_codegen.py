@@ -8,7 +8,7 @@ import pytest
 
 import tpp
 from tpp import reference
-from tpp.errors import CompileError, UnsupportedError
+from tpp.errors import CompileError, SpecError, UnsupportedError
 from tpp.spec import make_binary, make_unary
 from tpp_cuda import eltwise, nvcc
 
@@ -72,6 +72,12 @@ def test_all_sources_compile(sources, arch):
 def test_compile_error_carries_nvcc_output():
     with pytest.raises(CompileError, match="error"):
         nvcc.compile_check({"bad": 'extern "C" __global__ void f() { undeclared_thing; }'}, "80")
+
+
+@pytest.mark.parametrize("arch", ["sm 80", "", "sm_8.0"])
+def test_bad_arch_is_a_spec_error(arch):
+    with pytest.raises(SpecError, match="arch must look like"):
+        nvcc.compile_check({}, arch)
 
 
 def test_every_elementwise_op_is_covered():
