@@ -20,6 +20,8 @@ import numpy as np
 from tpp.errors import UnsupportedError
 from tpp.spec import mask_bytes
 
+from .launch import Launch, grid_stride_2d
+
 # C element type, load (to float) and store (from float) per dtype
 _CTYPE = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half", "u8": "unsigned char"}
 _LOAD = {"f32": "{}", "bf16": "__bfloat162float({})", "f16": "__half2float({})"}
@@ -170,7 +172,7 @@ def source(spec) -> str:
     name = kernel_name(spec)
     var = _variables(spec)
     mask_out = next((o for o in ops if o.layout == "mask" and o.role == "out"), None)
-    width = 8 if mask_out is not None else 1
+    width = _chunk_width(spec)
     chunks = (spec.n + width - 1) // width
     args, loads, stores = [], [], []
     for o in ops:
@@ -214,6 +216,18 @@ extern "C" __global__ void {name}({", ".join(args)}) {{
   }}
 }}
 """
+
+
+def launch(spec) -> Launch:
+    """The grid-stride geometry of `source(spec)`: x over column chunks, y over rows."""
+    _check(spec)
+    width = _chunk_width(spec)
+    return grid_stride_2d(spec.m, (spec.n + width - 1) // width)
+
+
+def _chunk_width(spec) -> int:
+    """Columns per thread: 8 (one mask byte) when the spec writes a bitmask, else 1."""
+    return 8 if any(o.layout == "mask" and o.role == "out" for o in spec.operands()) else 1
 
 
 def supported(spec) -> bool:
