@@ -91,14 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "gemm and mlp run their thread teams on every core, or on N if N > 1)")
     p.add_argument("--shapes", type=_shape_list, metavar="MxN[,MxN...]",
                    help="block shapes for the eltwise suite (default 64x64,4096x4096)")
-    p.add_argument("--providers", default="tpp,numpy,torch", metavar="LIST",
-                   help="comma-separated providers to measure (default tpp,numpy,torch)")
+    p.add_argument("--providers", default="tpp,numpy,torch,cupy", metavar="LIST",
+                   help="comma-separated providers to measure (default tpp,numpy,torch,cupy; "
+                        "cupy is measured in the CUDA suites)")
     p.add_argument("--dtype", metavar="LIST",
                    help="comma-separated dtypes of the cases to run (default: all; "
                         "f32, bf16); the peak suite's yardsticks always run")
-    p.add_argument("--backend", choices=("cpu", "cuda", "all"), default="cpu",
-                   help="where to run: cpu; 'all' = every backend there is (cpu: there is no "
-                        "CUDA backend yet)")
+    p.add_argument("--backend", choices=("cpu", "cuda", "all"), default="all",
+                   help="whose default suites run: cpu, cuda (needs cupy and a GPU), or all "
+                        "(default: the CPU's, and the GPU's when one is usable)")
     p.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
                    help="what a sample's duration is: 'cpu' = this thread's CPU time (immune to "
                         "being descheduled on a shared machine), 'wall' = elapsed time; 'auto' "
@@ -120,11 +121,26 @@ def pin_threads(threads: int) -> None:
         os.environ[var] = str(threads)
 
 
+def cuda_usable() -> bool:
+    """Whether the CUDA suites can run here (cupy installed, a GPU visible)."""
+    try:
+        from tpp_cuda import runtime
+    except ImportError:
+        return False
+    return runtime.available()
+
+
+def _backends(args) -> tuple:
+    if args.backend == "all":
+        return ("cpu", "cuda") if cuda_usable() else ("cpu",)
+    return (args.backend,)
+
+
 def _check(args, parser):
     """Usage errors found after parsing (raises _Exit(2) through parser.error)."""
-    if args.backend == "cuda":
-        parser.error("no CUDA backend: this library only generates CPU code so far; use "
-                     "--backend cpu (or all)")
+    if args.backend == "cuda" and not cuda_usable():
+        parser.error("--backend cuda: no usable GPU (the CUDA backend needs cupy, "
+                     "pip install 'tpp[cuda]', and a visible NVIDIA GPU); use --backend cpu")
     if args.csv == "-" and args.json == "-":
         parser.error("--csv - and --json -: only one of them can write to stdout")
     if args.plot == "-":
@@ -162,27 +178,33 @@ def main(argv=None) -> int:
 
     known = registry.load()
     if args.list:
+        width = max(len(n) for n in known)
         for s in known.values():
             mark = "*" if s.default else " "
-            print(f"{mark} {s.name:<10} {s.help}")
-        print("  info       the machine, the selected target, library versions")
+            print(f"{mark} {s.name:<{width}} {s.help}")
+        print(f"  {'info':<{width}} the machine, the selected target, GPUs, library versions")
         print("(* = in the default set)")
         return 0
 
     names = list(args.suites)
     unknown = [n for n in names if n != "info" and n not in known]
-    if unknown:
-        try:
+    backends = _backends(args)
+    try:
+        if unknown:
             parser.error(f"unknown suite(s): {', '.join(unknown)}; known: info, "
                          f"{', '.join(known)}")
-        except _Exit as e:
-            return e.status
+        gpu_named = [n for n in names if n in known and known[n].backend == "cuda"]
+        if gpu_named and not cuda_usable():
+            parser.error(f"{', '.join(gpu_named)}: no usable GPU (the CUDA suites need cupy and "
+                         f"a visible NVIDIA GPU)")
+    except _Exit as e:
+        return e.status
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
-    bad = [p for p in providers if p not in ("tpp", "numpy", "torch")]
+    bad = [p for p in providers if p not in ("tpp", "numpy", "torch", "cupy")]
     if bad or not providers:
         try:
             parser.error(f"unknown provider(s): {', '.join(bad) or '(none given)'}; "
-                         f"known: tpp, numpy, torch")
+                         f"known: tpp, numpy, torch, cupy")
         except _Exit as e:
             return e.status
     try:
@@ -206,7 +228,7 @@ def main(argv=None) -> int:
 
     overview = not names
     if overview:
-        names = registry.defaults()   # the quick default set: ~30 s on a 2-core Zen 3
+        names = registry.defaults(backends)   # quick: ~30 s on a 2-core Zen 3 (CPU)
     clock = args.clock if args.clock != "auto" else ("cpu" if args.threads == 1 else "wall")
     config = registry.Config(quick=args.quick, tiny=args.tiny, shapes=args.shapes,
                              clock=clock, overview=overview,

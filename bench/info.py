@@ -55,8 +55,9 @@ def collect() -> dict:
             info["target"] = f"unavailable: {type(exc).__name__}: {exc}"
     except Exception as exc:  # noqa: BLE001
         info["target"] = f"unavailable: {type(exc).__name__}: {exc}"
+    info["gpus"], info["backends"] = _gpus()
     versions = {name: _version(name) for name in ("tpp", "numpy", "llvmlite", "cffi",
-                                                  "ml_dtypes", "torch")}
+                                                  "ml_dtypes", "torch", "cupy")}
     info["versions"] = versions
     try:
         from tpp import cache
@@ -65,6 +66,24 @@ def collect() -> dict:
     except Exception as exc:  # noqa: BLE001
         info["cache_dir"] = f"unavailable: {type(exc).__name__}"
     return info
+
+
+def _gpus() -> tuple:
+    """([GPU descriptions] or a reason there are none, [usable backends])."""
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except ImportError:
+        return "none usable: cupy is not installed (pip install 'tpp[cuda]')", ["cpu"]
+    except Exception as exc:  # noqa: BLE001 - no driver, no device
+        return f"none usable: {type(exc).__name__}: {str(exc).strip()[:120]}", ["cpu"]
+    gpus = []
+    for dev in range(count):
+        p = cupy.cuda.runtime.getDeviceProperties(dev)
+        name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+        gpus.append(f"{dev}: {name}, sm_{p['major']}{p['minor']}, "
+                    f"{p['totalGlobalMem'] / 2**30:.0f} GiB, {p['multiProcessorCount']} SMs")
+    return gpus, ["cpu", "cuda"] if gpus else ["cpu"]
 
 
 def render(info: dict, file=None) -> None:
@@ -87,6 +106,9 @@ def render(info: dict, file=None) -> None:
                       f"{'yes' if t['bf16_dot'] else 'no'}; TPP_CPU_ISA={t['TPP_CPU_ISA']})")
     else:
         row("target", t)
+    gpus = info.get("gpus")
+    row("gpus", gpus if isinstance(gpus, str) else ("; ".join(gpus) or "none"))
+    row("backends", ", ".join(info.get("backends", ["cpu"])))
     row("python", f"{info['python']} on {info['platform']}")
     if "llvm" in info:
         row("llvm", info["llvm"])

@@ -301,11 +301,25 @@ def test_ratios_follow_the_metric():
 
 
 # ------------------------------------------------------------------ --csv, --dtype, --backend, --plot
+NEEDS_NO_GPU = pytest.mark.skipif(cli.cuda_usable(), reason="a GPU is usable here")
+
+
+def test_cuda_suites_are_registered_for_the_cuda_backend_only():
+    from bench.suites import defaults, load
+    known = load()
+    cuda = {n for n, s in known.items() if s.backend == "cuda"}
+    assert {"cuda_peak", "cuda_eltwise", "cuda_brgemm"} <= cuda
+    assert not cuda & set(defaults(("cpu",)))
+    assert cuda <= set(defaults(("cpu", "cuda")))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["brgemm", "--dtype", "f64"], "unknown dtype"),
     (["brgemm", "--dtype", ","], "unknown dtype"),
-    (["--backend", "cuda"], "no CUDA backend"),
+    pytest.param(["--backend", "cuda"], "no usable GPU", marks=NEEDS_NO_GPU),
+    pytest.param(["cuda_eltwise"], "no usable GPU", marks=NEEDS_NO_GPU),
     (["--backend", "tpu"], "--backend"),
+    (["--providers", "tpp,cublas"], "unknown provider"),
     (["--json", "-", "--csv", "-"], "stdout"),
 ])
 def test_new_usage_errors(argv, message, capsys):

@@ -10,7 +10,8 @@ A suite is a function `run(ctx)` registered under a name:
         ctx.add(Record(...))
 
 `default=True` puts it in the set `tpp-bench` runs without arguments; `requires` names suites
-whose results it uses (run first, once, if the user did not ask for them). A new suite is a
+whose results it uses (run first, once, if the user did not ask for them); `backend` ("cpu" or
+"cuda") says where it measures: `--backend` picks the default suites of the backends it names. A new suite is a
 module in this package listed in `BUILTIN` (or any module that calls `register` and is imported
 before the CLI resolves names).
 """
@@ -25,7 +26,8 @@ from ..records import Record
 from ..timing import Settings
 
 # modules of this package that define suites, imported by load(); order is the listing order
-BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm", "gemm", "mlp")
+BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm", "gemm", "mlp", "cuda")
+BACKENDS = ("cpu", "cuda")
 
 # the dtypes the suites' cases are measured in (a record's `dtype`); what --dtype accepts
 DTYPES = ("f32", "bf16")
@@ -38,18 +40,23 @@ class Suite:
     help: str = ""
     default: bool = False
     requires: tuple = ()
+    backend: str = "cpu"
 
 
 SUITES: dict[str, Suite] = {}
 
 
-def register(name: str, *, help: str = "", default: bool = False, requires=()):
+def register(name: str, *, help: str = "", default: bool = False, requires=(),
+             backend: str = "cpu"):
     """Decorator: register run(ctx) as the suite `name`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
     def deco(fn):
         if name in SUITES and SUITES[name].run is not fn:
             raise ValueError(f"suite {name!r} is registered twice")
         SUITES[name] = Suite(name, fn, help or (fn.__doc__ or "").strip().split("\n")[0],
-                             default, tuple(requires))
+                             default, tuple(requires), backend)
         return fn
     return deco
 
@@ -61,8 +68,9 @@ def load() -> dict[str, Suite]:
     return SUITES
 
 
-def defaults() -> list[str]:
-    return [s.name for s in SUITES.values() if s.default]
+def defaults(backends=("cpu",)) -> list[str]:
+    """The default suites of the given backends, in listing order."""
+    return [s.name for s in SUITES.values() if s.default and s.backend in backends]
 
 
 @dataclass
@@ -73,7 +81,7 @@ class Config:
     shapes: list | None = None         # eltwise shapes [(m, n), ...]; None: the suite's default
     threads: int = 1
     clock: str = "wall"                # timing.CLOCKS key
-    providers: tuple = ("tpp", "numpy", "torch")
+    providers: tuple = ("tpp", "numpy", "torch", "cupy")
     dtypes: tuple = DTYPES             # cases of other dtypes are skipped (see wants_dtype)
     verify: bool = True
     verbose: bool = True
