@@ -110,6 +110,8 @@ def test_broadcast_operand_shapes():
     col(X, np.ones((4, 1), np.float32))
     with pytest.raises(ArgumentError, match="expected 4 values"):
         col(X, np.ones(8, np.float32))
+    shapes = [o.shape for o in col.spec.operands()] + [add.spec.operands()[1].shape]
+    assert shapes == [(4, 8), (4,), (4, 8), (8,)]
 
 
 def test_seed_rules():

@@ -44,6 +44,8 @@ class Operand:
             return (self.rows, self.cols)
         if self.layout == "scalar":
             return ()
+        if self.layout == "col":
+            return (self.rows,)
         return (self.cols,)
 
 

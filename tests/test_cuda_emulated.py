@@ -1,0 +1,245 @@
+"""The element-wise CUDA kernels of `tpp_cuda.eltwise`, run on the CPU emulator
+(tests/cuda_emulator.py), agree with `tpp.reference`.
+
+Every supported unary and binary op runs in f32, bf16 and f16 (mixed input / output dtypes),
+with row / col / scalar broadcasts, leading dimensions larger than n, bitmask outputs (relu's
+bitmask, the compare ops), m or n = 1, n not a multiple of 8 or 32, muladd in place; a few ops
+also see inf, nan, -0, huge and subnormal inputs. Outputs live in buffers wider and one row
+taller than the block, filled with a sentinel that must survive; padding inside input buffers
+is NaN, so reading it shows. Ops whose formula is correctly rounded compare bit-exactly, the
+others within a few f32 ulps (plus one ulp of a 16-bit output dtype). A few kernels also run
+with a grid smaller than the problem (the grid-stride loops must cover it), a bigger block,
+and in the emulator's threaded mode. All kernels build as one emulated module.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+import tpp
+from tpp import reference
+from tpp.spec import make_binary, make_unary
+from tpp_cuda import eltwise
+from tpp_cuda.launch import Launch
+
+import cuda_emulator
+
+pytestmark = pytest.mark.skipif(not cuda_emulator.available(),
+                                reason="g++ or the CUDA headers are missing")
+
+UNARY = [op for op, info in tpp.UNARY_OPS.items()
+         if info.kind in ("map", "map_inv") and op not in ("dropout", "dropout_inv")]
+BINARY = list(tpp.BINARY_OPS)
+MIXED = [("bf16", "bf16"), ("f16", "f16"), ("bf16", "f32"), ("f32", "f16"), ("f16", "bf16")]
+
+# correctly rounded formulas (one IEEE operation, a select, or a conversion): bit-exact
+EXACT = {"identity", "replicate_col", "zero", "square", "sqrt", "reciprocal", "negate", "abs",
+         "increment", "relu", "relu_inv", "add", "sub", "mul", "div", "max", "min"}
+# f32 (rtol, atol) of the rest: a few ulps, more for libm transcendentals; gelu's erfc / exp
+# tails amplify the rounding of their argument -x/sqrt(2) (relative error ~ x^2 * 2^-24);
+# atol covers the cancellations of the formulas (1 - y*y, y + alpha, gelu'(x) near its zero),
+# scaled by the largest output
+_ULP = 2.0 ** -24
+TOLERANCE = {
+    "rsqrt": (2 * _ULP, 0.0), "leaky_relu": (2 * _ULP, 0.0), "leaky_relu_inv": (2 * _ULP, 0.0),
+    "muladd": (2 * _ULP, 0.0), "exp": (4 * _ULP, 0.0), "tanh": (4 * _ULP, 0.0),
+    "sigmoid": (8 * _ULP, 0.0), "elu": (4 * _ULP, 1e-37), "gelu": (1.5e-5, 1e-37),
+    "tanh_inv": (4 * _ULP, 4 * _ULP), "sigmoid_inv": (4 * _ULP, 4 * _ULP),
+    "elu_inv": (4 * _ULP, 4 * _ULP), "gelu_inv": (1.5e-5, 1e-6),
+}
+_OUT_ULP = {"f32": (0.0, 0.0), "bf16": (2.0 ** -7, 2.0 ** -133), "f16": (2.0 ** -10, 2.0 ** -24)}
+SPECIALS = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e30, -1e30, 1e-40, -3e-39, 88.5, -104.0])
+SENTINEL = 7.0
+MASK_SENTINEL = 0xA5
+
+
+def _unary_specs():
+    specs = []
+    for op in UNARY:
+        specs.append(make_unary(op, 9, 37, ldi=40, ldo=45))
+        specs += [make_unary(op, 5, 13, dtype_in=i, dtype_out=o) for i, o in MIXED]
+        if tpp.UNARY_OPS[op].kind == "map" and op not in ("zero", "replicate_col"):
+            specs += [make_unary(op, 6, 11, bcast=b, ldo=12) for b in ("row", "col", "scalar")]
+    specs += [make_unary("relu", m, n, ldi=n + 2, bitmask=True, dtype_in=d)
+              for m, n, d in ((4, 13, "f32"), (3, 8, "bf16"), (1, 70, "f16"), (5, 1, "f32"))]
+    specs += [make_unary("relu_inv", 4, 19, ldo=21, bitmask=True),
+              make_unary("relu_inv", 3, 9, dtype_in="f16", dtype_out="bf16", bitmask=True),
+              make_unary("gelu", 6, 33, approximate="tanh"),
+              make_unary("gelu", 4, 9, dtype_in="bf16", approximate="tanh"),
+              make_unary("gelu_inv", 6, 33, approximate="tanh"),
+              make_unary("leaky_relu", 1, 40, alpha=0.2),
+              make_unary("leaky_relu_inv", 7, 1, alpha=3.0),
+              make_unary("leaky_relu_inv", 3, 5, alpha=float("inf")),
+              make_unary("elu", 3, 17, alpha=0.5), make_unary("elu_inv", 3, 17, alpha=1e-5),
+              make_unary("exp", 1, 1), make_unary("tanh", 1, 64, dtype_out="bf16")]
+    return specs
+
+
+def _binary_specs():
+    specs = []
+    for op in BINARY:
+        compare = tpp.BINARY_OPS[op].kind == "compare"
+        specs.append(make_binary(op, 9, 37, ldi0=40, ldi1=41, ldo=None if compare else 45))
+        specs.append(make_binary(op, 5, 13, dtype_in0="bf16", dtype_in1="f16"))
+        if not compare:
+            specs += [make_binary(op, 5, 13, dtype_in0="f16", dtype_out="bf16"),
+                      make_binary(op, 4, 10, dtype_in0="bf16", dtype_in1="f32", dtype_out="f32")]
+        for b in ("row", "col", "scalar"):
+            specs.append(make_binary(op, 6, 11, bcast_in1=b, ldi0=14))
+            specs.append(make_binary(op, 6, 11, bcast_in0=b, dtype_in1="bf16"))
+    specs += [make_binary("mul", 5, 7, bcast_in0="row", bcast_in1="col"),
+              make_binary("cmp_gt", 1, 1), make_binary("cmp_le", 7, 1, bcast_in0="col"),
+              make_binary("add", 1, 33, dtype_out="f16"),
+              make_binary("muladd", 1, 9, dtype_in0="f16")]
+    return specs
+
+
+SPECS = _unary_specs() + _binary_specs()
+# specs whose inputs also hold inf, nan, -0, huge and subnormal values
+SPECIAL_SPECS = [make_unary(op, 4, 23, **p) for op, p in (
+    ("relu", {"bitmask": True}), ("abs", {}), ("exp", {}), ("tanh", {}), ("sigmoid", {}),
+    ("gelu", {}), ("gelu", {"approximate": "tanh"}), ("gelu_inv", {}),
+    ("gelu_inv", {"approximate": "tanh"}), ("elu", {}), ("sqrt", {}), ("rsqrt", {}),
+    ("reciprocal", {}), ("identity", {"dtype_out": "bf16"}), ("identity", {"dtype_out": "f16"}))]
+SPECIAL_SPECS += [make_binary(op, 4, 23) for op in ("max", "min", "add", "div", "muladd",
+                                                    "cmp_eq", "cmp_ne", "cmp_lt", "cmp_ge")]
+BIG = make_binary("add", 70, 300, ldi0=301, ldo=303)
+BIG_MASK = make_unary("relu", 33, 150, bitmask=True)
+
+
+@pytest.fixture(scope="module")
+def module():
+    every = SPECS + SPECIAL_SPECS + [BIG, BIG_MASK]
+    return cuda_emulator.EmulatedModule({eltwise.kernel_name(s): eltwise.source(s) for s in every})
+
+
+# ---------------------------------------------------------------- buffers
+def _numpy(dtype) -> np.dtype:
+    return tpp.dtypes.lookup(dtype).numpy
+
+
+def _values(rng, shape, dtype, specials: bool) -> np.ndarray:
+    """Normal * 3 with some exact zeros (and the SPECIALS first, when asked), in dtype."""
+    data = np.asarray(rng.standard_normal(shape) * 3.0)
+    data[rng.random(shape) < 0.1] = 0.0
+    if specials:
+        flat = data.reshape(-1)
+        k = min(flat.size, SPECIALS.size)
+        flat[:k] = SPECIALS[:k]
+    return np.asarray(data, np.float32).astype(_numpy(dtype))
+
+
+def _operand_buffer(operand, rng, specials):
+    """(buffer passed to the kernel, the view of the operand in it, its logical shape)."""
+    shape = {"row": (operand.cols,), "col": (operand.rows,), "scalar": ()}.get(
+        operand.layout, (operand.rows, operand.cols))
+    if operand.layout == "mask":
+        if operand.role == "in":
+            buf = rng.integers(0, 256, shape, dtype=np.uint8)
+            return buf, buf
+        buf = np.full((shape[0] + 1, shape[1]), MASK_SENTINEL, np.uint8)
+        return buf, buf[:-1]
+    if operand.layout != "block":
+        buf = _values(rng, shape, operand.dtype.name, specials)
+        return buf, buf
+    rows, cols = shape
+    if operand.role == "in":
+        buf = np.full((rows, operand.ld), np.nan, np.float32).astype(operand.dtype.numpy)
+        buf[:, :cols] = _values(rng, shape, operand.dtype.name, specials)
+        return buf, buf[:, :cols]
+    buf = np.full((rows + 1, operand.ld), SENTINEL, np.float32).astype(operand.dtype.numpy)
+    if operand.role == "inout":
+        buf[:rows, :cols] = _values(rng, shape, operand.dtype.name, specials)
+    return buf, buf[:rows, :cols]
+
+
+def _assert_untouched(buf, view):
+    """Everything of buf outside view still holds the sentinel."""
+    outside = np.ones(buf.shape, bool)
+    outside[:view.shape[0], :view.shape[1]] = False
+    sentinel = MASK_SENTINEL if buf.dtype == np.uint8 else np.float32(SENTINEL).astype(buf.dtype)
+    assert (buf[outside] == sentinel).all(), "the kernel wrote outside its output block"
+
+
+# ---------------------------------------------------------------- comparisons
+def _assert_exact(got, want, what):
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_array_equal(g, w, err_msg=what)
+    zeros = (w == 0) & (g == 0)
+    if not what.startswith(("max", "min")):          # IEEE leaves max(-0, +0)'s sign open
+        assert (np.signbit(g[zeros]) == np.signbit(w[zeros])).all(), f"{what}: sign of zero"
+
+
+def _assert_close(got, want, op, dtype_out, what):
+    rtol, atol = TOLERANCE[op]
+    out_rtol, out_atol = _OUT_ULP[dtype_out]
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert (np.isnan(g) == np.isnan(w)).all(), f"{what}: nan positions differ"
+    inf = np.isinf(w)
+    assert (g[inf] == w[inf]).all(), f"{what}: infinities differ"
+    finite = ~np.isnan(w) & ~inf
+    scale = 1.0 if atol == 0 else max(1.0, float(np.abs(w[finite]).max(initial=0.0)))
+    np.testing.assert_allclose(g[finite], w[finite], rtol=rtol + out_rtol,
+                               atol=atol * scale + out_atol, err_msg=what)
+
+
+def _check(spec, operand, got, want):
+    what = f"{spec.op} {operand.name} ({spec.key()})"
+    if operand.layout == "mask":
+        np.testing.assert_array_equal(got, want, err_msg=f"{what}: bitmask")
+    elif spec.op in EXACT:
+        _assert_exact(got, want, what)
+    else:
+        _assert_close(got, want, spec.op, operand.dtype.name, what)
+
+
+# ---------------------------------------------------------------- running
+def run_case(module, spec, *, launch=None, specials=False, threaded=None):
+    """Run the spec's kernel on fresh inputs; check the outputs and the untouched margins."""
+    rng = np.random.default_rng(zlib.crc32(f"{spec.key()}{specials}".encode()))
+    operands = spec.operands()
+    buffers = [_operand_buffer(o, rng, specials) for o in operands]
+    inputs = [view.copy() for o, (_, view) in zip(operands, buffers) if o.role != "out"]
+    module.launch(eltwise.kernel_name(spec), launch or eltwise.launch(spec),
+                  [buf for buf, _ in buffers], threaded=threaded)
+    with np.errstate(all="ignore"):                  # inf * 0 in the reference's gelu'
+        want = reference.run(spec, *inputs)
+    want = want if isinstance(want, tuple) else (want,)
+    outputs = [(o, b) for o, b in zip(operands, buffers) if o.role != "in"]
+    assert len(outputs) == len(want)
+    for (operand, (buf, view)), w in zip(outputs, want):
+        _check(spec, operand, view, w)
+        _assert_untouched(buf, view)
+
+
+def _id(spec):
+    dtypes = "-".join(o.dtype.name for o in spec.operands())
+    bcast = [o.layout for o in spec.operands() if o.layout in ("row", "col", "scalar")]
+    return f"{spec.op}-{spec.m}x{spec.n}-{dtypes}" + "".join(f"-{b}" for b in bcast)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_id)
+def test_matches_reference(module, spec):
+    run_case(module, spec)
+
+
+@pytest.mark.parametrize("spec", SPECIAL_SPECS, ids=_id)
+def test_special_values(module, spec):
+    run_case(module, spec, specials=True)
+
+
+@pytest.mark.parametrize("geometry", [
+    Launch((1, 1, 1), (32, 1, 1)), Launch((2, 3, 1), (32, 2, 1)), Launch((3, 1, 1), (64, 4, 1)),
+    Launch((1, 1, 1), (1024, 1, 1)), Launch((1, 2, 1), (8, 128, 1))], ids=str)
+@pytest.mark.parametrize("spec", [BIG, BIG_MASK], ids=_id)
+def test_any_grid_covers_the_problem(module, spec, geometry):
+    run_case(module, spec, launch=geometry)
+
+
+def test_threaded_mode_agrees(module):
+    run_case(module, BIG_MASK, launch=Launch((2, 2, 1), (32, 4, 1)), threaded=True)
+
+
+def test_every_op_is_covered():
+    assert {s.op for s in SPECS} == set(UNARY) | set(BINARY)
+    assert all(eltwise.supported(s) for s in SPECS + SPECIAL_SPECS)
