@@ -14,7 +14,7 @@ from tpp.errors import ArgumentError
 
 def host(x, name: str):
     """x as a numpy array or CPU torch tensor (UnsupportedError for other devices)."""
-    return arrays.as_host_array(x, name)
+    return arrays.as_host_array(x, name, "the ops operators (CPU loop nests)")
 
 
 def dtype_of(x, name: str) -> _dt.DType:

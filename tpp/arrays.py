@@ -1,17 +1,20 @@
 """Binding user arrays to a primitive's operands: validation, pointers, leading dimensions.
 
-Accepted: numpy arrays, torch CPU tensors, and anything numpy can view without a copy
-(`__array_interface__`, the buffer protocol, DLPack). CUDA data (`__cuda_array_interface__`,
-torch CUDA tensors) is recognised and refused with a clear error until a CUDA backend exists.
-Every check raises ArgumentError (or UnsupportedError for devices) naming the operand, what was
-expected and what was given; nothing reaches JIT code unchecked.
+Accepted on the host: numpy arrays, torch CPU tensors, and anything numpy can view without a
+copy (`__array_interface__`, the buffer protocol, DLPack). On a GPU: torch CUDA tensors and
+anything with `__cuda_array_interface__` or a CUDA DLPack capsule (cupy, numba, ...), seen
+through `tpp.device_arrays.CudaView`. Every check raises ArgumentError (or UnsupportedError for
+what no backend can run) naming the operand, what was expected and what was given; nothing
+reaches compiled code unchecked.
 """
 from __future__ import annotations
 
 import cffi
 import numpy as np
 
+from . import device_arrays
 from . import dtypes as _dt
+from .device_arrays import CudaView
 from .errors import ArgumentError, UnsupportedError
 
 ffi = cffi.FFI()
@@ -32,20 +35,15 @@ def is_torch(obj) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
 
 
-def as_host_array(obj, name: str):
-    """obj itself if it is a numpy array or torch tensor on the CPU, else a zero-copy numpy view."""
-    if type(obj) is np.ndarray:
-        return obj
-    if is_torch(obj):
-        if obj.device.type != "cpu":
-            raise UnsupportedError(f"{name}: tensor on {obj.device}; the CPU backend needs CPU "
-                                   f"tensors and no CUDA backend is available")
+def as_array(obj, name: str):
+    """obj itself if it is a numpy array or a torch tensor (any device), a CudaView of other
+    device data, else a zero-copy numpy view."""
+    if type(obj) is np.ndarray or is_torch(obj):
         return obj
     if isinstance(obj, np.ndarray):
         return obj
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise UnsupportedError(f"{name}: a CUDA array ({type(obj).__name__}); no CUDA backend "
-                               f"is available for it")
+    if device_arrays.is_cuda_object(obj):
+        return device_arrays.view(obj, name)
     if hasattr(obj, "__array_interface__") or hasattr(obj, "__array_struct__"):
         return np.asarray(obj)
     if hasattr(obj, "__dlpack__"):
@@ -56,13 +54,66 @@ def as_host_array(obj, name: str):
     try:
         memoryview(obj)
     except TypeError:
-        raise ArgumentError(f"{name}: expected an array (numpy, torch, or an object with "
-                            f"__array_interface__ or __dlpack__), got {type(obj).__name__}") from None
+        raise ArgumentError(f"{name}: expected an array (numpy, torch, cupy, or an object with "
+                            f"__array_interface__, __cuda_array_interface__ or __dlpack__), got "
+                            f"{type(obj).__name__}") from None
     return np.asarray(obj)
+
+
+def as_host_array(obj, name: str, what: str = "this operation"):
+    """Like as_array, for code that runs on the CPU only: device data is an UnsupportedError."""
+    arr = as_array(obj, name)
+    if device_of(arr) is not None:
+        raise UnsupportedError(f"{name}: CUDA data ({type(obj).__name__}); {what} runs on the "
+                               f"CPU only")
+    return arr
+
+
+def device_of(arr):
+    """None for host data, else the CUDA device ordinal."""
+    if type(arr) is np.ndarray:
+        return None
+    if isinstance(arr, CudaView):
+        return arr.device
+    if is_torch(arr) and arr.device.type != "cpu":
+        if arr.device.type != "cuda":
+            raise UnsupportedError(f"tensors on {arr.device} are not supported (CPU or CUDA)")
+        return arr.device.index if arr.device.index is not None else 0
+    return None
+
+
+def common_device(named_arrays):
+    """The one device of all (name, array) pairs (None: the host); a mix is an ArgumentError."""
+    where = {}
+    for name, arr in named_arrays:
+        where.setdefault(device_of(arr), name)
+    if len(where) > 1:
+        spots = ", ".join(f"{name} on {'the host' if d is None else f'cuda:{d}'}"
+                          for d, name in where.items())
+        raise ArgumentError(f"the operands live on different devices ({spots}); move them to "
+                            f"one device first")
+    return next(iter(where), None)
+
+
+def user_object(arr):
+    """What to hand back to the user for a bound array (the producer's object for a view)."""
+    return arr.obj if isinstance(arr, CudaView) else arr
+
+
+def to_host(arr) -> np.ndarray:
+    """A numpy copy (or view) of a bound array, from any device (synchronises for device data)."""
+    if isinstance(arr, CudaView):
+        import cupy
+        return cupy.asnumpy(arr.obj)
+    if is_torch(arr):
+        return arr.detach().cpu().numpy()
+    return arr
 
 
 def geometry(arr, name: str):
     """(DType or None, shape, strides in elements, writable, native dtype) of an array/tensor."""
+    if isinstance(arr, CudaView):
+        return _NP_DTYPES.get(arr.dtype), arr.shape, arr.strides, not arr.readonly, arr.dtype
     if is_torch(arr):
         dt = _torch_dtype(arr)
         return dt, tuple(arr.shape), tuple(arr.stride()), True, arr.dtype
@@ -72,6 +123,14 @@ def geometry(arr, name: str):
     if any(s % isz for s in strides):
         raise ArgumentError(f"{name}: strides {strides} are not multiples of the element size {isz}")
     return dt, arr.shape, tuple(s // isz for s in strides), arr.flags.writeable, arr.dtype
+
+
+def first_block(arr):
+    """arr[0] of a batched (count, rows, cols) array, as a view."""
+    if isinstance(arr, CudaView):
+        return CudaView(arr.obj, arr.ptr, arr.shape[1:], arr.strides[1:], arr.dtype,
+                        arr.readonly, arr.device)
+    return arr[0]
 
 
 def pointer(arr):
@@ -85,6 +144,8 @@ def pointer(arr):
 
 def address(arr) -> int:
     """The address of the first element, as an int (for calls through integer arguments)."""
+    if isinstance(arr, CudaView):
+        return arr.ptr
     return arr.data_ptr() if is_torch(arr) else arr.ctypes.data
 
 
@@ -157,6 +218,8 @@ def _vector_shapes(layout, length):
 
 def extent(arr):
     """[first byte, last byte + 1) of the memory an array or tensor spans."""
+    if isinstance(arr, CudaView):
+        return device_arrays.extent(arr)
     if is_torch(arr):
         isz = arr.element_size()
         start = arr.data_ptr()
@@ -166,14 +229,17 @@ def extent(arr):
     return low, high
 
 
-def allocate(op, like_torch: bool):
-    """A new array for an output operand, numpy or torch like the inputs."""
-    if op.layout == "block":
-        shape = (op.rows, op.cols)
-    elif op.layout == "mask":
+def allocate(op, like_torch: bool, device=None):
+    """A new array for an output operand: numpy or torch like the inputs on the host; torch or
+    cupy (as a CudaView) on CUDA device `device`."""
+    if op.layout in ("block", "mask"):
         shape = (op.rows, op.cols)
     else:
         shape = (op.cols if op.layout != "col" else op.rows,)
+    if device is not None:
+        from tpp_cuda import runtime
+        out = runtime.empty(shape, op.dtype, device, like_torch)
+        return out if like_torch else device_arrays.view(out, op.name)
     if like_torch:
         import torch
         return torch.empty(shape, dtype=getattr(torch, op.dtype.torch_name))

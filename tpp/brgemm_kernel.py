@@ -66,37 +66,51 @@ class BrgemmKernel(KernelBase):
             raise ArgumentError("this kernel writes no bitmask (relu with bitmask=True does)")
         binder = {"stride": self._bind_stride, "offset": self._bind_offset,
                   "address": self._bind_address}[spec.batch]
-        count, lda, ldb, a_ptr, b_ptr, arg_a, arg_b, keep, inputs = binder(
+        count, lda, ldb, a_base, b_base, arg_a, arg_b, inputs = binder(
             a, b, count, offsets_a, offsets_b)
 
-        use_torch = any(arrays.is_torch(x) for x in inputs)
+        c_given = c is not None
+        c = arrays.as_array(c, "c") if c_given else None
+        bias = arrays.as_array(bias, "bias") if spec.bias else None
+        mask = arrays.as_array(mask, "mask") if mask is not None else None
+        named = [("a", x) for x in inputs[0]] + [("b", x) for x in inputs[1]] + \
+            [(k, v) for k, v in (("c", c), ("bias", bias), ("mask", mask)) if v is not None]
+        device = arrays.common_device(named)
+        use_torch = any(arrays.is_torch(x) for _, x in named)
+        inputs = inputs[0] + inputs[1]
         if c is None:
             if spec.beta:
                 raise ArgumentError("beta=1 reads C: pass c=...")
-            c = arrays.allocate(ops["c"], use_torch)
-            c_given = False
-        else:
-            c = arrays.as_host_array(c, "c")
-            c_given = True
+            c = arrays.allocate(ops["c"], use_torch, device)
         ldc = arrays.check(ops["c"], c, "c")
         extras = []
         if spec.bias:
-            bias = arrays.as_host_array(bias, "bias")
             arrays.check(ops["bias"], bias, "bias")
             inputs.append(bias)
         if spec.bitmask:
-            mask = arrays.allocate(ops["mask"], use_torch) if mask is None else \
-                arrays.as_host_array(mask, "mask")
+            mask = arrays.allocate(ops["mask"], use_torch, device) if mask is None else mask
             arrays.check(ops["mask"], mask, "mask")
             extras.append(mask)
         written = [c] + extras
         if c_given or extras:
             _check_no_overlap(written, inputs)
 
-        fn = self._variant((lda, ldb, ldc))
-        fn(a_ptr, b_ptr, arrays.address(c), arrays.address(bias) if spec.bias else 0,
-           arrays.address(mask) if spec.bitmask else 0, count, arg_a, arg_b)
+        keep = []       # the int64 tables the kernel reads, alive until the launch is queued
+        arg_a, arg_b = (x if isinstance(x, int) else _table(x, device, use_torch, keep)
+                        for x in (arg_a, arg_b))
+        if spec.batch == "address":
+            a_base, b_base = (_table(x, device, use_torch, keep) for x in (a_base, b_base))
+        args = (a_base, b_base, arrays.address(c), arrays.address(bias) if spec.bias else 0,
+                arrays.address(mask) if spec.bitmask else 0, count, arg_a, arg_b)
+        if device is None:
+            self._variant((lda, ldb, ldc))(*args)
+        else:
+            from tpp_cuda import runtime
+            spec_ld = spec if (lda, ldb, ldc) == (spec.lda, spec.ldb, spec.ldc) else \
+                spec.replace(lda=lda, ldb=ldb, ldc=ldc)
+            runtime.function(spec_ld, device).launch(args, torch_stream=use_torch)
         del keep
+        c, mask = arrays.user_object(c), arrays.user_object(mask)
         return (c, mask) if spec.bitmask else c
 
     def _count(self, count, available, what):
@@ -110,7 +124,7 @@ class BrgemmKernel(KernelBase):
 
     def _bind_stride(self, a, b, count, _oa, _ob):
         spec, ops = self.spec, self._ops
-        a, b = arrays.as_host_array(a, "a"), arrays.as_host_array(b, "b")
+        a, b = arrays.as_array(a, "a"), arrays.as_array(b, "b")
         for name, arr in (("a", a), ("b", b)):
             shape = tuple(arr.shape)
             want = (ops[name].rows, ops[name].cols)
@@ -126,13 +140,13 @@ class BrgemmKernel(KernelBase):
             if arr.shape[0] == 0:
                 lds.append(ops[name].ld)
                 continue
-            lds.append(arrays.check(ops[name], arr[0], name))
+            lds.append(arrays.check(ops[name], arrays.first_block(arr), name))
         stride = [arrays.geometry(x, n)[2][0] if x.shape[0] > 1 else 0
                   for x, n in ((a, "a"), (b, "b"))]
         if min(stride) < 0:
             raise ArgumentError("a and b must have a non-negative batch stride")
-        return (count, lds[0], lds[1], arrays.address(a), arrays.address(b), stride[0], stride[1],
-                None, [a, b])
+        return count, lds[0], lds[1], arrays.address(a), arrays.address(b), stride[0], stride[1], \
+            ([a], [b])
 
     def _bind_offset(self, a, b, count, offsets_a, offsets_b):
         spec, ops = self.spec, self._ops
@@ -141,8 +155,7 @@ class BrgemmKernel(KernelBase):
                                 "(int64 element offsets)")
         offs = []
         for name, o in (("offsets_a", offsets_a), ("offsets_b", offsets_b)):
-            o = arrays.as_host_array(o, name)
-            o = o.numpy() if arrays.is_torch(o) else o
+            o = np.asarray(arrays.to_host(arrays.as_array(o, name)))
             if o.dtype != np.int64 or o.ndim != 1 or not o.flags.c_contiguous:
                 raise ArgumentError(f"{name}: expected a contiguous 1-D int64 array, got "
                                     f"{o.dtype} of shape {o.shape}")
@@ -153,7 +166,7 @@ class BrgemmKernel(KernelBase):
         count = self._count(count, min(len(offs[0]), len(offs[1])), "offsets_a or offsets_b")
         bases = []
         for name, arr, o in (("a", a, offs[0]), ("b", b, offs[1])):
-            arr = arrays.as_host_array(arr, name)
+            arr = arrays.as_array(arr, name)
             dt, shape, strides, _, given = arrays.geometry(arr, name)
             op = ops[name]
             if dt is not op.dtype:
@@ -168,8 +181,8 @@ class BrgemmKernel(KernelBase):
                                     f"{op.rows}x{op.cols} block (ld {op.ld}) fits in the base "
                                     f"array of {size} elements; got [{used.min()}, {used.max()}]")
             bases.append(arr)
-        return (count, spec.lda, spec.ldb, arrays.address(bases[0]), arrays.address(bases[1]),
-                offs[0].ctypes.data, offs[1].ctypes.data, offs, bases)
+        return count, spec.lda, spec.ldb, arrays.address(bases[0]), arrays.address(bases[1]), \
+            offs[0], offs[1], ([bases[0]], [bases[1]])
 
     def _bind_address(self, a, b, count, _oa, _ob):
         ops = self._ops
@@ -178,7 +191,7 @@ class BrgemmKernel(KernelBase):
             if not isinstance(seq, (list, tuple)):
                 raise ArgumentError(f"{name}: batch='address' takes a list or tuple of 2-D "
                                     f"blocks, got {type(seq).__name__}")
-            seqs.append([arrays.as_host_array(x, f"{name}[{i}]") for i, x in enumerate(seq)])
+            seqs.append([arrays.as_array(x, f"{name}[{i}]") for i, x in enumerate(seq)])
         if len(seqs[0]) != len(seqs[1]) and count is None:
             raise ArgumentError(f"a has {len(seqs[0])} blocks and b {len(seqs[1])}; pass count= "
                                 f"to use fewer")
@@ -192,9 +205,18 @@ class BrgemmKernel(KernelBase):
                                     f"got {sorted(found)}")
             lds.append(found.pop() if found else ops[name].ld)
             pointer_arrays.append(np.array([arrays.address(x) for x in seq] or [0], np.int64))
-        inputs = seqs[0][:count] + seqs[1][:count]
-        return (count, lds[0], lds[1], pointer_arrays[0].ctypes.data,
-                pointer_arrays[1].ctypes.data, 0, 0, pointer_arrays, inputs)
+        return count, lds[0], lds[1], pointer_arrays[0], pointer_arrays[1], 0, 0, \
+            (seqs[0][:count], seqs[1][:count])
+
+
+def _table(host_table: np.ndarray, device, use_torch: bool, keep: list) -> int:
+    """The address of an int64 table (offsets or block addresses) where the kernel reads it:
+    the host array itself, or a copy on `device` (queued on the launch's stream)."""
+    if device is not None:
+        from tpp_cuda import runtime
+        host_table = runtime.to_device(host_table, device, use_torch)
+    keep.append(host_table)
+    return arrays.address(arrays.as_array(host_table, "table"))
 
 
 def _check_no_overlap(written, inputs):

@@ -3,7 +3,11 @@
 `Kernel(spec)(*inputs, out=None, mask=None, seed=None)` validates every array against the
 spec's operands, allocates outputs that were not given (numpy, or torch when the inputs are
 torch tensors), takes each block's leading dimension from its strides and runs the kernel
-compiled for exactly those lds (compiled on first use, then cached). It returns the output, or
+compiled for exactly those lds (compiled on first use, then cached). The backend is chosen by
+where the data lives: host arrays run the CPU code, CUDA arrays (torch CUDA tensors, cupy, any
+`__cuda_array_interface__`) the CUDA kernel of the same spec on their device, launched on the
+current stream (torch's for torch tensors, else cupy's); outputs are allocated there. Operands
+on different devices are an ArgumentError. It returns the output, or
 a tuple (out, mask) when the op writes a bitmask too.
 
 `Kernel.raw` is the compiled C function for the spec's own lds, called with one integer
@@ -36,8 +40,14 @@ class KernelBase:
         return self
 
     def dump(self, what: str = "asm", isa: str | None = None) -> str:
-        """The generated code: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512" or
-        "avx2" to see another target's code (default: the one that runs here)."""
+        """The generated code. CPU: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512"
+        or "avx2" to see another target's code (default: the one that runs here). CUDA:
+        what = "cuda" (the source), "ptx" or "sass" (through nvcc; isa = the arch, default
+        "sm_90")."""
+        if what in ("cuda", "ptx", "sass"):
+            from tpp_cuda import generators, nvcc
+            source = generators.source(self.spec)
+            return source if what == "cuda" else nvcc.disassemble(source, isa or "sm_90", what)
         from tpp_cpu import target
         tgt = target.current() if isa is None else target.make_target(isa)
         return cpu_backend.dump(self.spec, what, tgt)
@@ -85,27 +95,35 @@ class Kernel(KernelBase):
         args = [ctype] * len(self._operands) + (["int64_t"] if self._needs_seed else [])
         return f"void(*)({', '.join(args)})"
 
+    def _spec_for(self, lds: tuple):
+        """The spec compiled for operand leading dimensions `lds` (one per operand)."""
+        if lds == self._own_lds:
+            return self.spec
+        changes = {}
+        for op, ld in zip(self._operands, lds):
+            if op.ld_param is None:
+                continue
+            if changes.get(op.ld_param, ld) != ld:
+                names = [o.name for o in self._operands if o.ld_param == op.ld_param]
+                raise ArgumentError(f"{' and '.join(names)} must have the same row "
+                                    f"stride (ld); got different strides")
+            changes[op.ld_param] = ld
+        return self.spec.replace(**changes)
+
     def _variant(self, lds: tuple):
         fn = self._variants.get(lds)
         if fn is None:
-            spec = self.spec
-            if lds != self._own_lds:
-                changes = {}
-                for op, ld in zip(self._operands, lds):
-                    if op.ld_param is None:
-                        continue
-                    if changes.get(op.ld_param, ld) != ld:
-                        names = [o.name for o in self._operands if o.ld_param == op.ld_param]
-                        raise ArgumentError(f"{' and '.join(names)} must have the same row "
-                                            f"stride (ld); got different strides")
-                    changes[op.ld_param] = ld
-                spec = spec.replace(**changes)
-            compiled = self._compiled(spec)
+            compiled = self._compiled(self._spec_for(lds))
             fn = arrays.ffi.cast(self._signature("void *"), compiled.address)
             self._variants[lds] = fn
             if lds == self._own_lds:
                 self._fastcall = self._make_fastcall(fn)
         return fn
+
+    def _cuda_variant(self, lds: tuple, device: int):
+        """The CUDA launcher for these lds on `device` (compiled on first use, then cached)."""
+        from tpp_cuda import runtime
+        return runtime.function(self._spec_for(lds), device)
 
     @property
     def raw(self):
@@ -200,37 +218,40 @@ class Kernel(KernelBase):
             raise ArgumentError(f"{self.spec.op} takes no seed")
 
         bound = [None] * len(operands)
-        use_torch = False
         for k, obj in zip(self._input_idx, inputs):
-            arr = arrays.as_host_array(obj, operands[k].name)
-            use_torch = use_torch or arrays.is_torch(arr)
-            bound[k] = arr
+            bound[k] = arrays.as_array(obj, operands[k].name)
         user_outputs = []
         for k in self._output_idx:
+            obj = given[operands[k].name]
+            if obj is not None:
+                bound[k] = arrays.as_array(obj, operands[k].name)
+                user_outputs.append(k)
+        device = arrays.common_device((operands[k].name, a) for k, a in enumerate(bound)
+                                      if a is not None)
+        use_torch = any(arrays.is_torch(bound[k]) for k in self._input_idx)
+        for k in self._output_idx:
             op = operands[k]
-            obj = given[op.name]
-            if obj is None:
+            if bound[k] is None:
                 if op.role == "inout":
                     raise ArgumentError(f"{self.spec.op} reads and writes {op.name}: pass it "
                                         f"as {op.name}=...")
                 if op.rows == -1:
                     raise ArgumentError(f"{self.spec.op} needs {op.name}=...")
-                bound[k] = arrays.allocate(op, use_torch)
-            else:
-                bound[k] = arrays.as_host_array(obj, op.name)
-                user_outputs.append(k)
+                bound[k] = arrays.allocate(op, use_torch, device)
         lds = tuple(arrays.check(op, arr, op.name) for op, arr in zip(operands, bound))
         if user_outputs:
             self._check_overlap(bound, user_outputs)
         if self._has_index:
             self._check_indices(bound)
-        fn = self._variants.get(lds) or self._variant(lds)
-        ptrs = [arrays.pointer(arr) for arr in bound]
-        if self._needs_seed:
-            fn(*ptrs, seed)
+        scalars = (seed,) if self._needs_seed else ()
+        if device is None:
+            fn = self._variants.get(lds) or self._variant(lds)
+            fn(*[arrays.pointer(arr) for arr in bound], *scalars)
         else:
-            fn(*ptrs)
-        outs = [bound[k] for k in self._output_idx]
+            self._cuda_variant(lds, device).launch(
+                [arrays.address(arr) for arr in bound] + list(scalars),
+                torch_stream=any(arrays.is_torch(a) for a in bound))
+        outs = [arrays.user_object(bound[k]) for k in self._output_idx]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def _check_overlap(self, bound, user_outputs):
@@ -251,8 +272,7 @@ class Kernel(KernelBase):
         for k, op in enumerate(self._operands):
             if op.layout != "index":
                 continue
-            idx = bound[k]
-            idx = idx.numpy() if arrays.is_torch(idx) else idx
+            idx = arrays.to_host(bound[k])
             addressed = next(j for j, o in enumerate(self._operands) if o.rows == -1)
             rows = bound[addressed].shape[0]
             if idx.size and (idx.min() < 0 or idx.max() >= rows):
@@ -261,8 +281,12 @@ class Kernel(KernelBase):
 
 
 def _same_view(a, b) -> bool:
-    if arrays.is_torch(a) != arrays.is_torch(b):
+    if isinstance(a, arrays.CudaView) != isinstance(b, arrays.CudaView) \
+            or arrays.is_torch(a) != arrays.is_torch(b):
         return False
+    if isinstance(a, arrays.CudaView):
+        return (a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
+                and a.itemsize == b.itemsize)
     if arrays.is_torch(a):
         return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
                 and a.shape == b.shape and a.dtype == b.dtype)

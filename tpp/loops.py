@@ -261,7 +261,7 @@ class CompiledNest:
 
 
 def _check(tensor: Tensor, arr, writable: bool) -> int:
-    arr = arrays.as_host_array(arr, tensor.name)
+    arr = arrays.as_host_array(arr, tensor.name, "a loop nest")
     dt, shape, strides, can_write, given = arrays.geometry(arr, tensor.name)
     if dt != tensor.dtype:
         raise ArgumentError(f"{tensor.name}: expected {tensor.dtype}, got {given}")

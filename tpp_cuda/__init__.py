@@ -1,5 +1,10 @@
-"""The CUDA backend of TPP (first slice): CUDA C source generation for element-wise specs.
+"""The CUDA backend of TPP: CUDA C generated from the same `tpp/` specs, run through cupy.
 
-`tpp_cuda.eltwise.source(spec)` writes one `extern "C" __global__` kernel per spec;
-`tpp_cuda.nvcc.compile_check` builds sources with nvcc. Nothing here launches kernels yet.
+Generators (each offers kernel_name / source / launch / supported for the specs it builds):
+  eltwise     unary map / map_inv (incl. dropout), binary map / compare
+  transform   reductions, transpose, vnni2 / vnni2_inv, gather / scatter rows
+  brgemm      batch-reduce GEMM: tensor cores (mma.sync) for bf16/f16, SIMT FFMA for f32
+`generators` picks the one for a spec; `runtime` compiles with NVRTC (cupy.RawModule), caches
+and launches on the current stream; `nvcc` compile-checks and disassembles without a GPU.
+`tpp.Kernel` / `tpp.BrgemmKernel` route a call here when its data live on a GPU.
 """

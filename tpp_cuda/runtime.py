@@ -1,0 +1,167 @@
+"""Compiling generated CUDA kernels with cupy (NVRTC), caching them, launching them.
+
+`function(spec, device)` returns the `CudaFunction` of a spec on a device, compiled once per
+process (cupy also keeps NVRTC's output in its own disk cache, so a new process reloads it).
+`CudaFunction.launch(args, torch_stream)` launches it with the geometry its generator chose,
+on the current stream: torch's when the call's data are torch tensors, else cupy's. Arguments
+are the 64-bit values the kernel ABI takes (device addresses, counts, strides, seeds).
+`TPP_DUMP=dir` writes each compiled kernel's CUDA source to dir/<kernel name>.cu.
+
+Nothing here checks arrays: `tpp.Kernel` and `tpp.BrgemmKernel` do that before they launch.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from tpp.errors import CompileError, UnsupportedError
+
+from . import generators
+
+_U64 = (1 << 64) - 1
+_STATIC_SHARED_LIMIT = 48 * 1024
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise UnsupportedError("CUDA data needs cupy for the CUDA backend: "
+                               "pip install 'tpp[cuda]' (cupy-cuda12x)") from None
+    return cupy
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether cupy is installed and sees at least one GPU."""
+    try:
+        return _cupy().cuda.runtime.getDeviceCount() > 0
+    except Exception:     # no cupy, no driver, no device
+        return False
+
+
+_READY: set = set()
+
+
+def require(device: int) -> None:
+    """Raise UnsupportedError unless cupy is installed and CUDA device `device` is usable."""
+    if device in _READY:
+        return
+    cupy = _cupy()
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        raise UnsupportedError(f"CUDA data was given but no usable GPU is visible: {exc}") \
+            from None
+    if not 0 <= device < count:
+        raise UnsupportedError(f"CUDA data on device {device}, but {count} GPU(s) are visible")
+    _READY.add(device)
+
+
+@functools.lru_cache(maxsize=1)
+def include_dirs() -> tuple:
+    """Directories holding cuda_bf16.h / cuda_fp16.h for NVRTC (the toolkit's, or the pip
+    nvidia-cuda-runtime package's)."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    try:
+        roots.append(_cupy().cuda.get_cuda_path())
+    except Exception:
+        pass
+    dirs = [os.path.join(r, "include") for r in roots if r]
+    try:
+        import nvidia.cuda_runtime
+        dirs += [os.path.join(p, "include") for p in nvidia.cuda_runtime.__path__]
+    except ImportError:
+        pass
+    found = []
+    for d in dirs:
+        if os.path.exists(os.path.join(d, "cuda_bf16.h")) and d not in found:
+            found.append(d)
+    return tuple(found)
+
+
+class CudaFunction:
+    """One compiled kernel of one spec on one device."""
+
+    def __init__(self, spec, device: int):
+        cupy = _cupy()
+        self.spec, self.device = spec, device
+        self.name = generators.kernel_name(spec)
+        self.source = generators.source(spec)
+        self.geometry = generators.launch(spec)
+        _dump(self.name, self.source)
+        options = ("--std=c++17",) + tuple(f"-I{d}" for d in include_dirs())
+        with cupy.cuda.Device(device):
+            try:
+                module = cupy.RawModule(code=self.source, options=options)
+                self._fn = module.get_function(self.name)
+            except cupy.cuda.compiler.CompileException as exc:
+                raise CompileError(f"NVRTC could not compile {self.name}:\n{exc}") from None
+            if self.geometry.shared_bytes > _STATIC_SHARED_LIMIT:
+                self._fn.max_dynamic_shared_size_bytes = self.geometry.shared_bytes
+
+    def launch(self, args, torch_stream: bool = False):
+        """Launch with the 64-bit argument values `args` on the current stream (torch's when
+        torch_stream, else cupy's). Returns at once: the kernel runs asynchronously."""
+        cupy = _cupy()
+        g = self.geometry
+        values = tuple(np.uint64(int(a) & _U64) for a in args)
+        with cupy.cuda.Device(self.device):
+            stream = _torch_stream(cupy, self.device) if torch_stream else \
+                cupy.cuda.get_current_stream()
+            self._fn(g.grid, g.block, values, shared_mem=g.shared_bytes, stream=stream)
+
+    def __repr__(self):
+        return f"<CudaFunction {self.name} on cuda:{self.device}>"
+
+
+def _torch_stream(cupy, device):
+    import torch
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
+
+
+def _dump(name, source):
+    folder = os.environ.get("TPP_DUMP")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.cu"), "w") as f:
+            f.write(source)
+
+
+_FUNCTIONS: dict = {}
+
+
+def function(spec, device: int) -> CudaFunction:
+    """The compiled kernel of `spec` on CUDA device `device` (cached per process)."""
+    key = (spec, device)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        require(device)
+        fn = _FUNCTIONS[key] = CudaFunction(spec, device)
+    return fn
+
+
+def empty(shape, dtype, device: int, like_torch: bool):
+    """An uninitialised device array (torch CUDA tensor if like_torch, else cupy) of a
+    tpp.dtypes.DType on `device`."""
+    require(device)
+    if like_torch:
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype.torch_name), device=f"cuda:{device}")
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        return cupy.empty(shape, dtype=dtype.numpy)
+
+
+def to_device(host: np.ndarray, device: int, like_torch: bool):
+    """A device copy of a host array, allocated and copied on the stream a launch for torch
+    (like_torch) or cupy data uses, so the pools reuse it only after that launch."""
+    require(device)
+    if like_torch:
+        import torch
+        return torch.from_numpy(np.ascontiguousarray(host)).to(f"cuda:{device}", non_blocking=False)
+    cupy = _cupy()
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
