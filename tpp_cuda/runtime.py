@@ -62,9 +62,10 @@ def require(device: int) -> None:
 
 @functools.lru_cache(maxsize=1)
 def include_dirs() -> tuple:
-    """Directories holding cuda_bf16.h / cuda_fp16.h for NVRTC (the toolkit's, or the pip
-    nvidia-cuda-runtime package's)."""
-    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    """Directories holding cuda_bf16.h / cuda_fp16.h for NVRTC, best match first: the toolkit
+    cupy found NVRTC in (its headers match that NVRTC), the pip nvidia-cuda-runtime package,
+    then CUDA_PATH, CUDA_HOME and /usr/local/cuda."""
+    roots = []
     try:
         roots.append(_cupy().cuda.get_cuda_path())
     except Exception:
@@ -75,6 +76,8 @@ def include_dirs() -> tuple:
         dirs += [os.path.join(p, "include") for p in nvidia.cuda_runtime.__path__]
     except ImportError:
         pass
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    dirs += [os.path.join(r, "include") for r in roots if r]
     found = []
     for d in dirs:
         if os.path.exists(os.path.join(d, "cuda_bf16.h")) and d not in found:
