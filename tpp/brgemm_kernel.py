@@ -9,8 +9,11 @@ Call forms, by the spec's batch mode (`count=` uses only the first pairs; defaul
   offset   a, b: C-contiguous base arrays (any shape) read as flat element buffers, with
            offsets_a=, offsets_b=: int64 element offsets of each block's first element.
   address  a, b: sequences of 2-D blocks (all blocks of a sequence with the same row stride).
-C is written in place and returned; it is allocated when beta=0 and c is None. With a relu
-bitmask the result is (c, mask). Every array is checked (shape, dtype, strides, offsets within
+C is written in place and returned; it is allocated when beta=0 and c is None. As for every
+kernel, the data choose the backend: all host arrays run the CPU code, all CUDA arrays the CUDA
+kernel on their device (offset tables may be host or device arrays: they are checked on the host
+and copied to the device; address mode builds its pointer table on the host and copies it).
+With a relu bitmask the result is (c, mask). Every array is checked (shape, dtype, strides, offsets within
 the base array, C not overlapping an input) before the compiled code runs; the raw path
 (`Kernel.raw`, see tpp.brgemm_spec for its signature) checks nothing.
 """
@@ -35,13 +38,17 @@ class BrgemmKernel(KernelBase):
         self._raw = None
 
     # ------------------------------------------------------------ compilation
+    def _spec_for(self, lds: tuple):
+        """The spec compiled for the row strides (lda, ldb, ldc) of a call."""
+        spec = self.spec
+        if lds != (spec.lda, spec.ldb, spec.ldc):
+            spec = spec.replace(lda=lds[0], ldb=lds[1], ldc=lds[2])
+        return spec
+
     def _variant(self, lds: tuple):
         fn = self._variants.get(lds)
         if fn is None:
-            spec = self.spec
-            if lds != (spec.lda, spec.ldb, spec.ldc):
-                spec = spec.replace(lda=lds[0], ldb=lds[1], ldc=lds[2])
-            fn = arrays.ffi.cast(_SIGNATURE, cpu_backend.compile(spec).address)
+            fn = arrays.ffi.cast(_SIGNATURE, cpu_backend.compile(self._spec_for(lds)).address)
             self._variants[lds] = fn
         return fn
 
@@ -106,9 +113,8 @@ class BrgemmKernel(KernelBase):
             self._variant((lda, ldb, ldc))(*args)
         else:
             from tpp_cuda import runtime
-            spec_ld = spec if (lda, ldb, ldc) == (spec.lda, spec.ldb, spec.ldc) else \
-                spec.replace(lda=lda, ldb=ldb, ldc=ldc)
-            runtime.function(spec_ld, device).launch(args, torch_stream=use_torch)
+            runtime.function(self._spec_for((lda, ldb, ldc)), device).launch(
+                args, torch_stream=use_torch)
         del keep
         c, mask = arrays.user_object(c), arrays.user_object(mask)
         return (c, mask) if spec.bitmask else c
