@@ -230,6 +230,11 @@ class _Generator:
         """One VNNI pair (or the last single k value when width is 1) through vdpbf16ps."""
         spec, b, lanes = self.spec, self.b, self.lanes
         bvecs = [self._load_pairs(b_k, u, v, counts[v]) for v in range(vectors)]
+        if width == 1:
+            # The last pair of an odd k: its high half is padding, whatever it holds (a NaN
+            # there times A's zero would still be NaN), so clear it in B as well as in A.
+            low = irx.const(bvecs[0].type, 0xFFFF)
+            bvecs = [b.and_(x, low) for x in bvecs]
         acc = list(acc)
         for r in range(rows):
             kk = 2 * u
