@@ -156,13 +156,26 @@ def overlap(a, b) -> bool:
     return lo < ohi and olo < hi
 
 
+def check_output_tensor(arr, name: str):
+    """An output torch tensor that requires grad while autograd records is refused, as torch
+    refuses an in-place write there: a write autograd cannot see would make gradients wrong."""
+    if is_torch(arr) and arr.requires_grad:
+        import torch
+        if torch.is_grad_enabled():
+            raise ArgumentError(f"{name}: the output tensor requires grad; writing into it "
+                                f"would bypass autograd (use a tensor that does not require "
+                                f"grad, or write under torch.no_grad())")
+
+
 def check(op, arr, name: str) -> int:
     """Validate arr against the Operand op; returns the ld to compile for (0 if not a block)."""
     dt, shape, strides, writable, given = geometry(arr, name)
     if dt is not op.dtype:
         raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
-    if op.role != "in" and not writable:
-        raise ArgumentError(f"{name}: the output array is read-only")
+    if op.role != "in":
+        if not writable:
+            raise ArgumentError(f"{name}: the output array is read-only")
+        check_output_tensor(arr, name)
     layout = op.layout
     if layout == "block":
         rows = shape[0] if len(shape) == 2 else None
