@@ -115,6 +115,9 @@ def geometry(arr, name: str):
     if isinstance(arr, CudaView):
         return _NP_DTYPES.get(arr.dtype), arr.shape, arr.strides, not arr.readonly, arr.dtype
     if is_torch(arr):
+        if str(arr.layout) != "torch.strided":
+            raise ArgumentError(f"{name}: a {arr.layout} tensor has no strided memory to read; "
+                                f"pass a dense tensor (.to_dense())")
         dt = _torch_dtype(arr)
         return dt, tuple(arr.shape), tuple(arr.stride()), True, arr.dtype
     dt = _NP_DTYPES.get(arr.dtype)

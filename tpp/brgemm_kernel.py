@@ -24,6 +24,7 @@ import numpy as np
 from tpp_cpu import backend as cpu_backend
 
 from . import arrays
+from .checks import reject_unknown_call
 from .errors import ArgumentError
 from .kernel import KernelBase
 
@@ -61,7 +62,10 @@ class BrgemmKernel(KernelBase):
 
     # ------------------------------------------------------------ calls
     def __call__(self, a, b, c=None, *, bias=None, mask=None, offsets_a=None, offsets_b=None,
-                 count=None):
+                 count=None, **unknown):
+        if unknown:
+            reject_unknown_call("brgemm kernel call", unknown,
+                                ("c", "bias", "mask", "offsets_a", "offsets_b", "count"))
         spec, ops = self.spec, self._ops
         if spec.batch != "offset" and (offsets_a is not None or offsets_b is not None):
             raise ArgumentError(f"offsets_a/offsets_b belong to batch='offset'; this kernel's "

@@ -22,9 +22,12 @@ import numpy as np
 from tpp_cpu import backend as cpu_backend   # imports no LLVM: that happens on first compile
 
 from . import arrays
+from .checks import reject_unknown_call
 from .errors import ArgumentError
 
 _INPLACE_KINDS = ("map", "map_inv", "compare")
+_CPU_DUMPS, _CUDA_DUMPS = ("asm", "ir", "opt"), ("cuda", "ptx", "sass")
+_CPU_ISAS = ("avx512", "avx2")
 
 
 class KernelBase:
@@ -44,10 +47,16 @@ class KernelBase:
         or "avx2" to see another target's code (default: the one that runs here). CUDA:
         what = "cuda" (the source), "ptx" or "sass" (through nvcc; isa = the arch, default
         "sm_90")."""
-        if what in ("cuda", "ptx", "sass"):
+        if what in _CUDA_DUMPS:
             from tpp_cuda import generators, nvcc
             source = generators.source(self.spec)
             return source if what == "cuda" else nvcc.disassemble(source, isa or "sm_90", what)
+        if what not in _CPU_DUMPS:
+            raise ArgumentError(f"dump: what must be one of {', '.join(_CPU_DUMPS + _CUDA_DUMPS)}"
+                                f", got {what!r}")
+        if isa is not None and isa not in _CPU_ISAS:
+            raise ArgumentError(f"dump: isa for CPU code must be one of {', '.join(_CPU_ISAS)} "
+                                f"(or None for this host's), got {isa!r}")
         from tpp_cpu import target
         tgt = target.current() if isa is None else target.make_target(isa)
         return cpu_backend.dump(self.spec, what, tgt)
@@ -134,7 +143,9 @@ class Kernel(KernelBase):
         return self._raw
 
     # ------------------------------------------------------------ calls
-    def __call__(self, *inputs, out=None, mask=None, seed=None):
+    def __call__(self, *inputs, out=None, mask=None, seed=None, **unknown):
+        if unknown:
+            reject_unknown_call(f"{self.spec.op} kernel call", unknown, ("out", "mask", "seed"))
         fast = self._fastcall
         if fast is not None and mask is None and seed is None:
             result = fast(inputs, out)
@@ -153,6 +164,9 @@ class Kernel(KernelBase):
         ndarray, empty, from_buffer, may_share = np.ndarray, np.empty, arrays.ffi.from_buffer, \
             np.may_share_memory
         odt, oshape, _ = outs[0]
+        # out=x is allowed only where the op may write in place; for any other op the checked
+        # path must refuse it, so an identical array is a miss here like any other overlap.
+        inplace_ok = self.spec.info.kind in _INPLACE_KINDS
         # from_buffer raises BufferError for arrays that are not C-contiguous (and, with
         # require_writable, for read-only ones): that is the contiguity check.
         if len(ins) == 1:
@@ -169,7 +183,7 @@ class Kernel(KernelBase):
                     if out is None:
                         out = empty(oshape, odt)
                     elif type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
-                            or (out is not x and may_share(x, out)):
+                            or ((out is not x or not inplace_ok) and may_share(x, out)):
                         return None
                     fn(px, from_buffer("char[]", out, True))
                 except (BufferError, ValueError):
@@ -191,8 +205,8 @@ class Kernel(KernelBase):
                 if out is None:
                     out = empty(oshape, odt)
                 elif type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
-                        or (out is not a and may_share(a, out)) \
-                        or (out is not b and may_share(b, out)):
+                        or ((out is not a or not inplace_ok) and may_share(a, out)) \
+                        or ((out is not b or not inplace_ok) and may_share(b, out)):
                     return None
                 fn(pa, pb, from_buffer("char[]", out, True))
             except (BufferError, ValueError):

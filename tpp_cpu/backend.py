@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpp import cache
-from tpp.errors import UnsupportedError
+from tpp.errors import ArgumentError, UnsupportedError
 
 import importlib
 
@@ -170,4 +170,4 @@ def dump(spec, what: str = "asm", target: Target | None = None) -> str:
         return str(mod)
     if what == "asm":
         return jit.emit_assembly(mod, target)
-    raise ValueError(f"what must be 'ir', 'opt' or 'asm', got {what!r}")
+    raise ArgumentError(f"what must be 'ir', 'opt' or 'asm', got {what!r}")
