@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tpp
+from tpp import checks
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 
@@ -45,9 +46,11 @@ def default_bn(n: int) -> int:
 
 
 def _check_bn(bn, n):
-    if isinstance(bn, bool) or not isinstance(bn, int) or bn < 1:
+    """Columns per panel as a Python int: bn (any integral value >= 1), at most n."""
+    value = checks.as_int(bn)
+    if value is None or value < 1:
         raise ArgumentError(f"bn must be a positive int, got {bn!r}")
-    return min(bn, n)
+    return min(value, n)
 
 
 def pack_kn(b, *, bn: int | None = None) -> PackedWeight:

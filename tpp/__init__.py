@@ -27,7 +27,7 @@ __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "Brgemm
            "UnarySpec", "BinarySpec", "BrgemmSpec", "make_brgemm", "TPPError", "SpecError",
            "ArgumentError", "UnsupportedError", "CompileError",
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest",
-           "get_num_threads", "set_num_threads"]
+           "get_num_threads", "set_num_threads", "clear_caches", "cache_info"]
 
 
 def get_num_threads() -> int:
@@ -57,18 +57,47 @@ def unary(op, m, n, *, ldi=None, ldo=None, dtype_in="f32", dtype_out=None, dtype
 
 
 def binary(op, m, n, *, ldi0=None, ldi1=None, ldo=None, dtype_in0="f32", dtype_in1=None,
-           dtype_out=None, dtype_comp="f32", bcast_in0=None, bcast_in1=None) -> Kernel:
-    """A binary primitive on (m, n) blocks; see tpp.BINARY_OPS for ops."""
+           dtype_out=None, dtype_comp="f32", bcast_in0=None, bcast_in1=None, **unknown) -> Kernel:
+    """A binary primitive on (m, n) blocks; see tpp.BINARY_OPS for ops. An unknown keyword is
+    a SpecError."""
     return kernel(make_binary(op, m, n, ldi0=ldi0, ldi1=ldi1, ldo=ldo, dtype_in0=dtype_in0,
                               dtype_in1=dtype_in1, dtype_out=dtype_out, dtype_comp=dtype_comp,
-                              bcast_in0=bcast_in0, bcast_in1=bcast_in1))
+                              bcast_in0=bcast_in0, bcast_in1=bcast_in1, **unknown))
 
 
 def brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b=None, dtype_c=None,
            dtype_comp="f32", beta=0, trans_a=False, trans_b=False, vnni_b=False, batch="stride",
-           bias=None, activation=None, bitmask=False) -> BrgemmKernel:
-    """Batch-reduce GEMM: C = act(beta*C + sum_i A_i @ B_i + bias); see tpp.brgemm_spec."""
+           bias=None, activation=None, bitmask=False, **unknown) -> BrgemmKernel:
+    """Batch-reduce GEMM: C = act(beta*C + sum_i A_i @ B_i + bias); see tpp.brgemm_spec. An
+    unknown keyword is a SpecError."""
     return kernel(make_brgemm(m, n, k, lda=lda, ldb=ldb, ldc=ldc, dtype_a=dtype_a,
                               dtype_b=dtype_b, dtype_c=dtype_c, dtype_comp=dtype_comp, beta=beta,
                               trans_a=trans_a, trans_b=trans_b, vnni_b=vnni_b, batch=batch,
-                              bias=bias, activation=activation, bitmask=bitmask))
+                              bias=bias, activation=activation, bitmask=bitmask, **unknown))
+
+
+def clear_caches() -> None:
+    """Empty every process-wide cache: the Kernel of each spec (tpp.kernel), the compiled
+    row-stride variants of every kernel, compiled loop nests, ops.matmul's plans and nests,
+    tpp_cuda's compiled functions, and whatever else registered with tpp.lru. Kernels and nests
+    already in hand keep working (compiled code stays loaded for the life of the process);
+    anything asked for again is rebuilt, from the disk cache when it has it. The disk cache
+    itself and the counters of cache_info() are left alone."""
+    from . import lru
+    kernel.cache_clear()
+    lru.clear_all()
+
+
+def cache_info() -> dict:
+    """What this process holds and has done, as counts: "kernels" (specs with a Kernel in
+    tpp.kernel's cache), "variants" (row-stride variants held by live kernels), "loop_nests",
+    "matmul_plans", "cuda_functions" (entries of those caches), "compiled" (kernels generated
+    and compiled by LLVM so far) and "disk_hits" (kernels loaded from the disk cache so far).
+    The last two only grow."""
+    from tpp_cpu.backend import COUNTS
+    from . import lru
+    info = dict.fromkeys(("variants", "loop_nests", "matmul_plans", "cuda_functions"), 0)
+    info.update(lru.sizes())
+    info.update(kernels=kernel.cache_info().currsize, compiled=COUNTS["built"],
+                disk_hits=COUNTS["loaded"])
+    return info

@@ -19,14 +19,18 @@ the base array, C not overlapping an input) before the compiled code runs; the r
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tpp_cpu import backend as cpu_backend
 
 from . import arrays
+from . import checks
 from .checks import reject_unknown_call
 from .errors import ArgumentError
 from .kernel import KernelBase
+from .lru import LRU, VARIANTS_PER_KERNEL
 
 _SIGNATURE = "void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t)"
 
@@ -35,7 +39,7 @@ class BrgemmKernel(KernelBase):
     def __init__(self, spec):
         self.spec = spec
         self._ops = {op.name: op for op in spec.operands()}
-        self._variants = {}
+        self._variants = LRU(VARIANTS_PER_KERNEL, "variants")   # lds -> C function
         self._raw = None
 
     # ------------------------------------------------------------ compilation
@@ -124,13 +128,16 @@ class BrgemmKernel(KernelBase):
         return (c, mask) if spec.bitmask else c
 
     def _count(self, count, available, what):
+        """The number of blocks to use, as a Python int: count (any integral value in
+        0..available), or all `available` blocks when count is None."""
         if count is None:
-            return available
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-            raise ArgumentError(f"count must be a non-negative int, got {count!r}")
+            return int(available)
+        given, count = count, checks.as_int(count)
+        if count is None or count < 0:
+            raise ArgumentError(f"count must be a non-negative int, got {given!r}")
         if count > available:
             raise ArgumentError(f"count={count} but {what} holds only {available} block(s)")
-        return int(count)
+        return count
 
     def _bind_stride(self, a, b, count, _oa, _ob):
         spec, ops = self.spec, self._ops
@@ -151,7 +158,7 @@ class BrgemmKernel(KernelBase):
                 lds.append(ops[name].ld)
                 continue
             lds.append(arrays.check(ops[name], arrays.first_block(arr), name))
-        stride = [arrays.geometry(x, n)[2][0] if x.shape[0] > 1 else 0
+        stride = [int(arrays.geometry(x, n)[2][0]) if x.shape[0] > 1 else 0
                   for x, n in ((a, "a"), (b, "b"))]
         if min(stride) < 0:
             raise ArgumentError("a and b must have a non-negative batch stride")
@@ -183,13 +190,7 @@ class BrgemmKernel(KernelBase):
                 raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
             if not arrays.contiguous(shape, strides):
                 raise ArgumentError(f"{name}: batch='offset' reads a C-contiguous base array")
-            size = int(np.prod(shape, dtype=np.int64))
-            span = (op.rows - 1) * op.ld + op.cols
-            used = o[:count]
-            if count and (used.min() < 0 or used.max() + span > size):
-                raise ArgumentError(f"{name}: offsets must lie in [0, {size - span}] so that each "
-                                    f"{op.rows}x{op.cols} block (ld {op.ld}) fits in the base "
-                                    f"array of {size} elements; got [{used.min()}, {used.max()}]")
+            _check_offsets(name, op, o[:count], math.prod(int(d) for d in shape))
             bases.append(arr)
         return count, spec.lda, spec.ldb, arrays.address(bases[0]), arrays.address(bases[1]), \
             offs[0], offs[1], ([bases[0]], [bases[1]])
@@ -217,6 +218,23 @@ class BrgemmKernel(KernelBase):
             pointer_arrays.append(np.array([arrays.address(x) for x in seq] or [0], np.int64))
         return count, lds[0], lds[1], pointer_arrays[0], pointer_arrays[1], 0, 0, \
             (seqs[0][:count], seqs[1][:count])
+
+
+def _check_offsets(name: str, op, used: np.ndarray, size: int):
+    """ArgumentError unless every offset in `used` starts an op-shaped block (ld op.ld) lying
+    inside a base array of `size` elements. Exact Python ints: an offset near 2**63 must not
+    wrap around to pass."""
+    if not len(used):
+        return
+    block = f"{op.rows}x{op.cols} block (ld {op.ld}, {op.extent} elements)"
+    if op.extent > size:
+        raise ArgumentError(f"{name}: a {block} does not fit in the base array of {size} "
+                            f"elements at any offset")
+    lo, hi = int(used.min()), int(used.max())
+    if lo < 0 or hi + op.extent > size:
+        raise ArgumentError(f"{name}: offsets must lie in [0, {size - op.extent}] so that each "
+                            f"{block} fits in the base array of {size} elements; got "
+                            f"[{lo}, {hi}]")
 
 
 def _table(host_table: np.ndarray, device, use_torch: bool, keep: list) -> int:

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import checks
 from . import dtypes as _dt
 from .errors import SpecError, UnsupportedError
-from .spec import Operand, _SpecBase, mask_bytes
+from .spec import Operand, _size, _SpecBase, mask_bytes
 
 BATCH_MODES = ("stride", "offset", "address")
 ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
@@ -88,14 +89,6 @@ class BrgemmSpec(_SpecBase):
         return tuple(ops)
 
 
-def _size(value, what):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{what} must be an int, got {value!r}")
-    if value < 1:
-        raise SpecError(f"{what} must be >= 1, got {value}")
-    return value
-
-
 def _flag(value, what):
     if not isinstance(value, bool):
         raise SpecError(f"{what} must be True or False, got {value!r}")
@@ -105,9 +98,12 @@ def _flag(value, what):
 def make_brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b=None,
                 dtype_c=None, dtype_comp="f32", beta=0, trans_a=False, trans_b=False,
                 vnni_b=False, batch="stride", bias=None, activation=None,
-                bitmask=False) -> BrgemmSpec:
+                bitmask=False, **unknown) -> BrgemmSpec:
     """Validate the arguments of `tpp.brgemm` and build its spec. dtype_b defaults to dtype_a,
-    dtype_c to f32 (the accumulation dtype)."""
+    dtype_c to f32 (the accumulation dtype). Sizes and lds are any integral values (Python ints
+    in the spec); every block must fit in the address space; an unknown keyword is a
+    SpecError."""
+    checks.reject_unknown("tpp.brgemm", unknown, checks.keywords_of(make_brgemm))
     m, n, k = _size(m, "m"), _size(n, "n"), _size(k, "k")
     da = _dt.float_dtype(dtype_a, "dtype_a")
     db = da if dtype_b is None else _dt.float_dtype(dtype_b, "dtype_b")

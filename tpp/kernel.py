@@ -24,6 +24,7 @@ from tpp_cpu import backend as cpu_backend   # imports no LLVM: that happens on 
 from . import arrays
 from .checks import reject_unknown_call
 from .errors import ArgumentError
+from .lru import LRU, VARIANTS_PER_KERNEL
 
 _INPLACE_KINDS = ("map", "map_inv", "compare")
 _CPU_DUMPS, _CUDA_DUMPS = ("asm", "ir", "opt"), ("cuda", "ptx", "sass")
@@ -70,7 +71,7 @@ class Kernel(KernelBase):
         self._output_idx = [k for k, o in enumerate(self._operands) if o.role != "in"]
         self._needs_seed = spec.scalars == ("seed",)
         self._own_lds = tuple(o.ld for o in self._operands)
-        self._variants = {}
+        self._variants = LRU(VARIANTS_PER_KERNEL, "variants")   # lds -> C function
         self._raw = None
         self.input_names = tuple(self._operands[k].name for k in self._input_idx)
         self.output_names = tuple(self._operands[k].name for k in self._output_idx)

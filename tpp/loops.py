@@ -15,21 +15,24 @@
 Loops are given as keywords named a, b, c, ... in order: `n` (range(n)), `(start, stop)`,
 `(start, stop, step)`, `(start, stop, step, blocks)` or a `Loop`. See tpp.loop_spec for the
 order string (upper case: parallel; a repeated letter: another blocking level) and for what
-the body sees. Indexing a tensor with loop expressions gives the address of the element
-there (fewer indices than dimensions: the start of that sub-block). Every address a call can
-touch is checked against its tensor when the nest is built, and every array against its
-tensor's shape and dtype when the nest is called, so a nest never reads or writes outside
-the arrays it is given.
+the body sees. Loop expressions combine the variables with +, -, * by ints and // by positive
+ints; comparisons of them guard calls (when=(a == 0) & (b < 2)). Indexing a tensor with loop
+expressions gives the address of the element there (fewer indices than dimensions: the start
+of that sub-block). Numbers (loop bounds, shapes, counts, threads=) are any integral values.
+Every address a call can touch is checked against its tensor when the nest is built, and
+every array against its tensor's shape and dtype when the nest is called, so a nest never
+reads or writes outside the arrays it is given.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import arrays
+from . import arrays, checks
 from . import dtypes as _dt
 from .errors import ArgumentError, SpecError, UnsupportedError
-from .loop_spec import (LETTERS, Address, Affine, Call, Cond, Expr, Loop, LoopNestSpec, Tensor,
-                        affine, parse_order, raw_operands)
+from .lru import LRU
+from .loop_spec import (LETTERS, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor, affine,
+                        conditions, parse_order, raw_operands)
 
 
 class TensorRef:
@@ -56,6 +59,10 @@ class TensorRef:
 
 class LoopNest:
     def __init__(self, order: str, **loops):
+        """Loops are keywords a, b, c, ... in order; any other keyword is a SpecError."""
+        checks.reject_unknown("tpp.LoopNest", {k: v for k, v in loops.items()
+                                               if k not in LETTERS},
+                              ("a, b, c, ... (the loops, in order)",))
         names = LETTERS[:len(loops)]
         if tuple(loops) != tuple(names):
             raise SpecError(f"loops must be given as keywords {', '.join(names) or 'a, b, ...'}"
@@ -67,28 +74,27 @@ class LoopNest:
         self._tensors: list = []
         self._calls: list = []
 
-    def tensor(self, name: str, shape, dtype="f32") -> TensorRef:
-        """Declare a C-contiguous tensor the nest is given at call time."""
+    def tensor(self, name: str, shape, dtype="f32", **unknown) -> TensorRef:
+        """Declare a C-contiguous tensor the nest is given at call time: shape is a sequence
+        of integral values >= 1, and the tensor must fit in the address space."""
+        checks.reject_unknown("LoopNest.tensor", unknown, ("dtype",))
         if not isinstance(name, str) or not name.isidentifier():
             raise SpecError(f"tensor name must be an identifier, got {name!r}")
         if any(t.name == name for t in self._tensors):
             raise SpecError(f"tensor {name!r} declared twice")
-        shape = tuple(shape)
-        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
-            raise SpecError(f"tensor {name!r}: shape must be positive ints, got {shape}")
         tensor = Tensor(name, shape, _dt.lookup(dtype))
         self._tensors.append(tensor)
         return TensorRef(self, len(self._tensors) - 1, tensor)
 
     def call(self, kernel, *operands, when=(), count=1, stride_a=0, stride_b=0, bias=None,
-             mask=None, seed=None):
+             mask=None, seed=None, **unknown):
         """Call a primitive (a tpp kernel or spec) on addresses. A unary/binary primitive
         takes one address per operand, in its operand order; a BRGEMM (stride batch mode)
-        takes a, b, c and optionally bias=, mask=, with int count= and element strides."""
+        takes a, b, c and optionally bias=, mask=, with int count= and element strides.
+        when= is a condition, conditions joined with &, or a tuple of them (all must hold)."""
+        checks.reject_unknown("LoopNest.call", unknown, checks.keywords_of(LoopNest.call))
         spec = getattr(kernel, "spec", kernel)
-        when = tuple(when) if isinstance(when, (tuple, list)) else (when,)
-        if not all(isinstance(w, Cond) for w in when):
-            raise SpecError("when= takes loop conditions such as (k == 0) or a tuple of them")
+        when = conditions(when)
         for a in operands:
             if not isinstance(a, Address):
                 raise SpecError(f"operands are tensor addresses such as A[i, j], got {a!r}")
@@ -121,13 +127,16 @@ class LoopNest:
             raise UnsupportedError("a nest calls BRGEMM in stride batch mode")
         if len(operands) != 3:
             raise SpecError(f"brgemm takes a, b, c addresses, got {len(operands)}")
+        counts = []
         for name, v in (("count", count), ("stride_a", stride_a), ("stride_b", stride_b)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise SpecError(f"brgemm {name} must be an int >= 0, got {v!r}")
+            n = checks.as_int(v)
+            if n is None or not 0 <= n <= checks.INT64_MAX:
+                raise SpecError(f"brgemm {name} must be an int in [0, 2**63), got {v!r}")
+            counts.append(n)
         if (bias is None) != (not spec.bias) or (mask is None) != (not spec.bitmask):
             raise SpecError("brgemm: pass bias= exactly when the spec has a bias, and mask= "
                             "exactly when it writes a bitmask")
-        return tuple(operands) + (bias, mask, affine(count), affine(stride_a), affine(stride_b))
+        return tuple(operands) + (bias, mask) + tuple(affine(n) for n in counts)
 
     def spec(self) -> LoopNestSpec:
         if not self._calls:
@@ -138,11 +147,11 @@ class LoopNest:
         return compiled(self.spec())
 
 
-_COMPILED: dict = {}
+_COMPILED = LRU(256, "loop_nests")   # LoopNestSpec -> CompiledNest
 
 
 def compiled(spec: LoopNestSpec) -> "CompiledNest":
-    """The CompiledNest of a spec; one per spec per process."""
+    """The CompiledNest of a spec, cached (the 256 most recently used specs keep theirs)."""
     nest = _COMPILED.get(spec)
     if nest is None:
         nest = _COMPILED[spec] = CompiledNest(spec)
@@ -186,8 +195,8 @@ class CompiledNest:
         return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
 
     def bind(self, *args, threads=None, **named) -> np.ndarray:
-        """The call table for these arrays (validated), for `run`; threads= overrides
-        tpp.get_num_threads() for this call."""
+        """The call table for these arrays (validated), for `run`; threads= (any integral
+        value in 1..MAX_THREADS) overrides tpp.get_num_threads() for this call."""
         if len(args) > len(self.names):
             raise ArgumentError(f"the nest takes {len(self.names)} arrays "
                                 f"({', '.join(self.names)}), got {len(args)}")
@@ -204,9 +213,8 @@ class CompiledNest:
             if tensor.name not in given:
                 raise ArgumentError(f"missing array for tensor {tensor.name!r}")
             table[1 + k] = _check(tensor, given[tensor.name], k in self._written)
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or threads < 1):
-            raise ArgumentError(f"threads must be a positive int, got {threads!r}")
+        if threads is not None:
+            threads = checks.thread_count(threads, "threads")
         if not self._has_runtime:
             threads = 1
         table[0] = self._threads.num_threads() if threads is None else threads
@@ -235,7 +243,8 @@ class CompiledNest:
             return None
         if threads is None:
             threads = self._threads.num_threads() if self._has_runtime else 1
-        elif not self._has_runtime or type(threads) is not int or threads < 1:
+        elif (not self._has_runtime or type(threads) is not int
+              or not 1 <= threads <= checks.MAX_THREADS):
             return None
         from_buffer, ndarray = arrays.ffi.from_buffer, np.ndarray
         buffers = []          # keeps each buffer object alive until the call returns

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from . import checks
 from . import dtypes as _dt
 from . import optable
 from .errors import SpecError, UnsupportedError
@@ -48,6 +49,26 @@ class Operand:
             return (self.rows,)
         return (self.cols,)
 
+    @property
+    def extent(self) -> int:
+        """Elements the operand spans from its first element (one row when rows is -1)."""
+        if self.layout == "block":
+            return (max(self.rows, 1) - 1) * self.ld + self.cols
+        if self.layout == "mask":
+            return self.rows * self.cols
+        if self.layout == "col":
+            return self.rows
+        if self.layout == "scalar":
+            return 1
+        return self.cols
+
+    def check_addressable(self):
+        """SpecError unless the bytes the operand spans fit in the address space (so the
+        kernel's int64 offsets never wrap around)."""
+        what = f"operand {self.name!r} ({self.layout} of shape {self.shape}"
+        what += f", {self.ld_param}={self.ld})" if self.ld_param else ")"
+        checks.addressable(self.extent * self.dtype.itemsize, what)
+
 
 def mask_bytes(n: int) -> int:
     """Bytes per row of the bitmask of an n-column block."""
@@ -55,11 +76,8 @@ def mask_bytes(n: int) -> int:
 
 
 def _size(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{what} must be an int, got {value!r}")
-    if value < 1:
-        raise SpecError(f"{what} must be >= 1, got {value}")
-    return value
+    """A size or ld: any integral value >= 1, as a Python int."""
+    return checks.integer(value, what, minimum=1)
 
 
 def _ld(value, default: int, row_len: int, what: str) -> int:
@@ -124,7 +142,8 @@ class _SpecBase:
         return dataclasses.replace(self, **changes)
 
     def __post_init__(self):
-        self.operands()  # validates operand geometry once
+        for op in self.operands():   # validates operand geometry once
+            op.check_addressable()
 
 
 @dataclass(frozen=True)
@@ -254,8 +273,11 @@ def make_unary(op, m, n, *, ldi=None, ldo=None, dtype_in="f32", dtype_out=None,
 
 
 def make_binary(op, m, n, *, ldi0=None, ldi1=None, ldo=None, dtype_in0="f32", dtype_in1=None,
-                dtype_out=None, dtype_comp="f32", bcast_in0=None, bcast_in1=None) -> BinarySpec:
-    """Validate the arguments of `tpp.binary` and build its spec."""
+                dtype_out=None, dtype_comp="f32", bcast_in0=None, bcast_in1=None,
+                **unknown) -> BinarySpec:
+    """Validate the arguments of `tpp.binary` and build its spec (binary ops take no
+    parameters: an unknown keyword is a SpecError)."""
+    checks.reject_unknown("tpp.binary", unknown, checks.keywords_of(make_binary))
     if not isinstance(op, str):
         raise SpecError(f"op must be a string, got {op!r}")
     info = optable.lookup("binary", op)

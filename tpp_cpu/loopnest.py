@@ -78,12 +78,7 @@ class _Gen:
     def emit_band(self, b, values):
         """The parallel levels, collapsed; this thread's contiguous share of the iterations."""
         levels = [self.spec.levels[k] for k in self.band]
-        trips = []
-        for lv in levels:
-            loop = self.spec.loops[LETTERS.index(lv.letter)]
-            step = loop.level_step(lv.level)
-            span = loop.stop - loop.start if lv.level == 0 else loop.level_step(lv.level - 1)
-            trips.append(-(-span // step))
+        trips = [self.spec.loops[LETTERS.index(lv.letter)].trips(lv.level) for lv in levels]
         total = 1
         for t in trips:
             total *= t
@@ -124,10 +119,21 @@ class _Gen:
 
     # ------------------------------------------------------------ the body
     def affine(self, b, expr, values):
+        """The int64 value of an Affine at the loop values (LoopNestSpec checked that it and
+        every floor-divided part fit in int64)."""
         acc = irx.i64(expr.const)
         for var, c in expr.terms:
-            acc = b.add(acc, b.mul(values[var], irx.i64(c)))
+            value = values[var] if isinstance(var, str) else self.floor(b, var, values)
+            acc = b.add(acc, b.mul(value, irx.i64(c)))
         return acc
+
+    def floor(self, b, term, values):
+        """floor(inner / divisor) for a Floor term (divisor >= 1): sdiv rounds toward zero,
+        so a negative remainder steps the quotient down by one."""
+        x = self.affine(b, term.inner, values)
+        d = irx.i64(term.divisor)
+        q, r = b.sdiv(x, d), b.srem(x, d)
+        return b.sub(q, b.zext(b.icmp_signed("<", r, irx.i64(0)), I64))
 
     def emit_body(self, b, values):
         fn = b.block.function

@@ -5,7 +5,9 @@ A nest's parallel band is handed to `GOMP_parallel`, whose thread team persists 
 soname, so a process that has loaded torch's bundled libgomp shares that one runtime.
 
 Thread count: `set_num_threads(n)`, else `TPP_NUM_THREADS`, else `OMP_NUM_THREADS`, else the
-cores this process may run on. Where libgomp cannot be loaded, nests run on one thread.
+cores this process may run on. Where libgomp cannot be loaded, nests run on one thread. Every
+count is 1..MAX_THREADS (libgomp aborts the process when asked for absurd teams); the cores
+default is capped there too.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import ctypes
 import functools
 import os
 
+from tpp.checks import MAX_THREADS, thread_count
 from tpp.errors import ArgumentError
 
 from .loopnest import RUNTIME
@@ -37,14 +40,16 @@ def _from_env() -> int:
             try:
                 n = int(value)
             except ValueError:
-                raise ArgumentError(f"{name}={value!r}: expected a positive integer") from None
-            if n < 1:
-                raise ArgumentError(f"{name}={value!r}: expected a positive integer")
+                n = None
+            if n is None or not 1 <= n <= MAX_THREADS:
+                raise ArgumentError(f"{name}={value!r}: expected a positive integer of at most "
+                                    f"{MAX_THREADS}")
             return n
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return min(cores, MAX_THREADS)
 
 
 def num_threads() -> int:
@@ -58,9 +63,8 @@ def num_threads() -> int:
     return _chosen
 
 
-def set_num_threads(n: int | None):
-    """Use n threads for parallel nests from now on; None: read the environment again."""
+def set_num_threads(n):
+    """Use n threads (any integral value in 1..MAX_THREADS) for parallel nests from now on;
+    None: read the environment again."""
     global _chosen
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ArgumentError(f"set_num_threads: expected a positive int or None, got {n!r}")
-    _chosen = n
+    _chosen = None if n is None else thread_count(n, "set_num_threads: n")
