@@ -6,6 +6,10 @@
     y, saved = ops.mlp_forward(x, w, bias, "gelu"); dx, dw, db = ops.mlp_backward(dy, saved)
 
 PyTorch drop-ins live in ops.torch (imported on demand: torch is optional).
+
+Bad input is a tpp.TPPError subclass at every entry point: a wrong type, shape or dtype, an
+out= torch tensor that requires grad while autograd records, and an unknown keyword argument
+(an ArgumentError naming the accepted ones, never a TypeError). Sizes may be numpy integers.
 """
 from .matmul import ACTIVATIONS, Blocking, choose_blocking, linear, matmul
 from .mlp import Saved, mlp, mlp_backward, mlp_forward

@@ -5,9 +5,12 @@ helpers allocate, view and validate without copying where the layout allows.
 """
 from __future__ import annotations
 
+import inspect
+import sys
+
 import numpy as np
 
-from tpp import arrays
+from tpp import arrays, checks
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 
@@ -15,6 +18,27 @@ from tpp.errors import ArgumentError
 def host(x, name: str):
     """x as a numpy array or CPU torch tensor (UnsupportedError for other devices)."""
     return arrays.as_host_array(x, name, "the ops operators (CPU loop nests)")
+
+
+def reject_unknown(fn, unknown: dict):
+    """ArgumentError if `unknown` (the **unknown a public entry point `fn` collected) is not
+    empty, naming fn as users call it (ops.matmul, ops.blocked.transpose) and the keywords it
+    accepts. The rule every ops entry point follows: a misspelt keyword is never a TypeError."""
+    if unknown:
+        checks.reject_unknown_call(_public_name(fn), unknown, _parameters(fn))
+
+
+def _public_name(fn) -> str:
+    package = sys.modules.get("ops")
+    if package is not None and getattr(package, fn.__name__, None) is fn:
+        return f"ops.{fn.__name__}"
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def _parameters(fn) -> tuple:
+    """fn's named parameters (positional or keyword), without *args and **kwargs."""
+    return tuple(p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
 def dtype_of(x, name: str) -> _dt.DType:

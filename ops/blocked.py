@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import tpp
+from tpp import arrays
 from tpp.errors import ArgumentError
 
 from . import _host
@@ -51,7 +52,7 @@ def _map_nest(op, family, m, n, dtypes_in, dtype_out, params):
     for rows, cond in cases:
         if family == "binary":
             spec = tpp.make_binary(op, rows, n, dtype_in0=dtypes_in[0], dtype_in1=dtypes_in[1],
-                                   dtype_out=dtype_out)
+                                   dtype_out=dtype_out, **dict(params))
         else:
             spec = tpp.make_unary(op, rows, n, dtype_in=dtypes_in[0], dtype_out=dtype_out,
                                   **dict(params))
@@ -60,9 +61,12 @@ def _map_nest(op, family, m, n, dtypes_in, dtype_out, params):
 
 
 def map_rows(op, inputs, out, **params):
-    """out = op(*inputs) over whole matrices (unary ops, their *_inv backward, binary ops)."""
+    """out = op(*inputs) over whole matrices (unary ops, their *_inv backward, binary ops);
+    inputs a list or tuple of arrays; params the op's parameters (tpp.unary's keywords)."""
+    if not isinstance(inputs, (list, tuple)):
+        raise ArgumentError(f"inputs: expected a list of arrays, got {type(inputs).__name__}")
     family = "binary" if op in tpp.BINARY_OPS else "unary"
-    m, n = _shape2(out, "out")
+    m, n = _output(out)
     for k, x in enumerate(inputs):
         if _shape2(x, f"input {k}") != (m, n):
             raise ArgumentError(f"input {k}: shape {tuple(x.shape)}, out is {(m, n)}")
@@ -87,9 +91,11 @@ def _transpose_nest(m, n, dtype):
     return nest.compile()
 
 
-def transpose(x, out):
+def transpose(x, out, **unknown):
+    """out (N, M) = x.T for x (M, N)."""
+    _host.reject_unknown(transpose, unknown)
     m, n = _shape2(x, "x")
-    if _shape2(out, "out") != (n, m):
+    if _output(out) != (n, m):
         raise ArgumentError(f"out: expected shape {(n, m)}, got {tuple(out.shape)}")
     _transpose_nest(m, n, _dtype(x))(x, out, threads=_threads(m, n))
     return out
@@ -109,18 +115,31 @@ def _colsum_nest(m, n, dtype, dtype_out):
     return nest.compile()
 
 
-def column_sums(x, out):
+def column_sums(x, out, **unknown):
+    """out (N,) = x.sum(axis=0) for x (M, N); out f32 or x's dtype."""
+    _host.reject_unknown(column_sums, unknown)
     m, n = _shape2(x, "x")
-    if tuple(out.shape) != (n,):
-        raise ArgumentError(f"out: expected shape {(n,)}, got {tuple(out.shape)}")
+    arrays.check_output_tensor(out, "out")
+    shape = tuple(_host.host(out, "out").shape)
+    if shape != (n,):
+        raise ArgumentError(f"out: expected shape {(n,)}, got {shape}")
     _colsum_nest(m, n, _dtype(x), _dtype(out))(x, out, threads=_threads(m, n))
     return out
 
 
+def _output(out):
+    """out's (M, N) shape; ArgumentError if it is not 2-D or a torch tensor that autograd
+    would have to see written."""
+    arrays.check_output_tensor(out, "out")
+    return _shape2(out, "out")
+
+
 def _shape2(x, name):
-    if len(x.shape) != 2:
-        raise ArgumentError(f"{name}: expected a 2-D array, got shape {tuple(x.shape)}")
-    return tuple(x.shape)
+    """x's (M, N) shape; ArgumentError if x is not a 2-D host array."""
+    shape = tuple(_host.host(x, name).shape)
+    if len(shape) != 2:
+        raise ArgumentError(f"{name}: expected a 2-D array, got shape {shape}")
+    return shape
 
 
 def _dtype(x):

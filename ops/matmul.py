@@ -25,9 +25,10 @@ import functools
 from dataclasses import dataclass
 
 import tpp
-from tpp import arrays
+from tpp import arrays, checks
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
+from tpp.lru import LRU, also_clear
 
 from . import _host
 from .blocked import split
@@ -50,13 +51,19 @@ def choose_blocking(m: int, k: int, dtype_out: _dt.DType) -> Blocking:
     return Blocking(bm, 512)
 
 
-def _check_blocking(bl, m, k, dtype_out, vnni):
+def _as_blocking(bl):
+    """None, or bl with Python int fields >= 1 (numpy integers accepted). Run before the plan
+    lookup: Blocking(4.0, 4) and Blocking(True, 4) equal valid keys and would skip the checks."""
+    if bl is None:
+        return None
     if not isinstance(bl, Blocking):
         raise ArgumentError(f"blocking must be an ops.Blocking, got {bl!r}")
-    for name in ("bm", "kc"):
-        v = getattr(bl, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ArgumentError(f"blocking.{name} must be a positive int, got {v!r}")
+    return Blocking(_positive(bl.bm, "blocking.bm"), _positive(bl.kc, "blocking.kc"))
+
+
+def _check_blocking(bl, m, k, dtype_out, vnni):
+    """bl (from _as_blocking or choose_blocking) clamped to the problem, or an ArgumentError
+    if the output dtype or VNNI pairs forbid its K chunks."""
     bl = Blocking(min(bl.bm, m), min(bl.kc, k))
     if bl.kc < k and dtype_out == _dt.BF16:
         raise ArgumentError("blocking.kc < K needs an f32 output (partial sums would be "
@@ -64,6 +71,14 @@ def _check_blocking(bl, m, k, dtype_out, vnni):
     if bl.kc < k and vnni and bl.kc % 2:
         raise ArgumentError(f"blocking.kc must be even for bf16 (VNNI pairs), got {bl.kc}")
     return bl
+
+
+def _positive(value, what):
+    """value as a Python int >= 1 (numpy integers too), else an ArgumentError."""
+    converted = checks.as_int(value)
+    if converted is None or converted < 1:
+        raise ArgumentError(f"{what} must be a positive int, got {value!r}")
+    return converted
 
 
 @functools.lru_cache(maxsize=256)
@@ -103,9 +118,12 @@ def gemm_nest(m, n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
     return nest.compile()
 
 
-def matmul(a, b, out=None, bias=None, activation=None, *, out_dtype=None, blocking=None):
+def matmul(a, b, out=None, bias=None, activation=None, *, out_dtype=None, blocking=None,
+           **unknown):
     """act(a @ b + bias): a (M, K); b a (K, N) array or a PackedWeight (ops.pack_kn);
-    out (M, N) written in place when given. Returns the output."""
+    out (M, N) written in place when given (not a torch tensor requiring grad while grad
+    mode is on: autograd would not see the write). Returns the output."""
+    _host.reject_unknown(matmul, unknown)
     a = _host.host(a, "a")
     if a.ndim != 2:
         raise ArgumentError(f"a: expected a 2-D (M, K) array, got shape {tuple(a.shape)}")
@@ -113,9 +131,10 @@ def matmul(a, b, out=None, bias=None, activation=None, *, out_dtype=None, blocki
     return _run(_host.contiguous(a), packed, out, bias, activation, out_dtype, blocking, "a")
 
 
-def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None):
+def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **unknown):
     """act(x @ w.T + b) like torch.nn.functional.linear: x (..., K); w (N, K) or a
     PackedWeight from ops.pack_nk(w); returns (..., N)."""
+    _host.reject_unknown(linear, unknown)
     x = _host.host(x, "x")
     packed = w if isinstance(w, PackedWeight) else pack_nk(w)
     x2, lead = _host.rows(x, packed.k, "x")
@@ -123,7 +142,8 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None):
     return y.reshape(*lead, packed.n)
 
 
-_PLANS: dict = {}
+_PLANS = LRU(256, "matmul_plans")   # problem -> (nest, threads, dtype_out)
+also_clear(gemm_nest.cache_clear)   # tpp.clear_caches() empties the nests too
 
 
 def _plan(m, k, packed, dt, dt_out_arg, has_bias, activation, blocking):
@@ -164,13 +184,14 @@ def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
         raise ArgumentError(f"{name}: no rows")
     dt = _host.dtype_of(a, name)
     nest, threads, dt_out = _plan(m, k, packed, dt, out_dtype, bias is not None, activation,
-                                  blocking)
+                                  _as_blocking(blocking))
     if bias is not None:
         bias = _host.contiguous(_host.host(bias, "bias"))
     if out is None:
         out = _host.empty((m, packed.n), dt_out, a)
     else:
         out = _host.host(out, "out")
+        arrays.check_output_tensor(out, "out")
         # the nest reads its inputs while it writes out: shared memory gives wrong results
         if any(arrays.overlap(out, t) for t in (a, packed.data, bias) if t is not None):
             raise ArgumentError(f"out must not overlap {name}, the weight or the bias")

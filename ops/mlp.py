@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 
@@ -39,7 +41,8 @@ class Saved:
     lead: tuple = ()   # x's leading dimensions (dx gets them back)
 
 
-def _check(x, w, b, activation):
+def _check(x, w, b, activation, packed):
+    """(x as (M, K) rows, x's leading dims, w contiguous, b) after validating a layer call."""
     x = _host.host(x, "x")
     w = _host.host(w, "weight")
     if activation not in ACTIVATIONS:
@@ -52,19 +55,51 @@ def _check(x, w, b, activation):
         b = _host.host(b, "bias")
         if tuple(b.shape) != (n,):
             raise ArgumentError(f"bias: expected shape ({n},), got {tuple(b.shape)}")
+    if packed is not None:
+        check_packed(packed, w)
     return x2, lead, _host.contiguous(w), b
 
 
-def mlp(x, w, b=None, activation=None, *, packed: PackedWeight | None = None):
-    """act(x @ w.T + b), x (..., K), w (N, K): inference, everything in one nest."""
-    x2, lead, w, b = _check(x, w, b, activation)
+def check_packed(packed, w):
+    """ArgumentError unless packed is an ops.PackedWeight of a weight shaped and typed like w
+    (N, K): a packed copy of another weight would silently compute with other values."""
+    if not isinstance(packed, PackedWeight):
+        raise ArgumentError(f"packed: expected an ops.PackedWeight (ops.pack_nk(weight)), got "
+                            f"{type(packed).__name__}")
+    n, k = w.shape
+    dt = _host.dtype_of(w, "weight")
+    if (packed.n, packed.k, packed.dtype) != (n, k, dt):
+        raise ArgumentError(f"packed: {packed!r} does not match a weight of shape ({n}, {k}) "
+                            f"and dtype {dt}")
+
+
+def _check_saved(saved):
+    if not isinstance(saved, Saved):
+        raise ArgumentError(f"saved: expected the ops.Saved that ops.mlp_forward returns second "
+                            f"(y, saved = ops.mlp_forward(...)), got {type(saved).__name__}")
+
+
+def _flag(value, name):
+    """value as a bool; ArgumentError for anything but a bool (a numpy bool too)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def mlp(x, w, b=None, activation=None, *, packed: PackedWeight | None = None, **unknown):
+    """act(x @ w.T + b), x (..., K), w (N, K): inference, everything in one nest.
+    packed: ops.pack_nk(w), reused instead of packing w again."""
+    _host.reject_unknown(mlp, unknown)
+    x2, lead, w, b = _check(x, w, b, activation, packed)
     y = linear(x2, packed if packed is not None else pack_nk(w), b, activation)
     return y.reshape(*lead, w.shape[0])
 
 
-def mlp_forward(x, w, b=None, activation=None, *, packed: PackedWeight | None = None):
-    """(y, Saved) for training; y has x's leading dimensions."""
-    x2, lead, w, b = _check(x, w, b, activation)
+def mlp_forward(x, w, b=None, activation=None, *, packed: PackedWeight | None = None,
+                **unknown):
+    """(y, Saved) for training; y has x's leading dimensions. packed as for mlp."""
+    _host.reject_unknown(mlp_forward, unknown)
+    x2, lead, w, b = _check(x, w, b, activation, packed)
     pw = packed if packed is not None else pack_nk(w)
     n = w.shape[0]
     if activation is None:
@@ -77,9 +112,14 @@ def mlp_forward(x, w, b=None, activation=None, *, packed: PackedWeight | None = 
     return y.reshape(*lead, n), Saved(x2, w, keep, activation, b is not None, lead)
 
 
-def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True):
-    """(dx, dw, db) for dy = dL/dy (x's leading dims, N); a gradient not needed is None
-    (db is None without a bias)."""
+def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **unknown):
+    """(dx, dw, db) for dy = dL/dy (x's leading dims, N) and the Saved from mlp_forward; a
+    gradient not needed (need_* False) is None (db is None without a bias)."""
+    _host.reject_unknown(mlp_backward, unknown)
+    _check_saved(saved)
+    need_x = _flag(need_x, "need_x")
+    need_w = _flag(need_w, "need_w")
+    need_b = _flag(need_b, "need_b")
     x, w = saved.x, saved.w
     m, k = x.shape
     n = w.shape[0]

@@ -8,10 +8,16 @@
 
 The forward is ops.mlp_forward (bias and activation fused), or ops.mlp when no gradient is
 wanted (under torch.no_grad(), or when nothing requires grad); the backward is
-ops.mlp_backward, computing only the gradients autograd asks for. Tensors must be on the CPU,
-f32, or bf16 (f32 accumulation, bf16 results, like torch); x, weight and bias of one dtype.
-Anything else raises a tpp.TPPError subclass: UnsupportedError for devices and dtypes,
-ArgumentError for shapes and mismatched dtypes. Double backward is not supported.
+ops.mlp_backward, computing only the gradients autograd asks for. Two cases run on torch's
+own operators instead, with torch's results and autograd: shapes with nothing to multiply
+(no rows, in_features or out_features 0: y is act(bias) broadcast, or empty), and a backward
+that must itself be differentiable (torch.autograd.grad(..., create_graph=True): gradient
+penalties, Hessian-vector products), where the gradients are recomputed in torch ops so that
+autograd can differentiate them again, to any order.
+
+Tensors must be on the CPU, f32, or bf16 (f32 accumulation, bf16 results, like torch); x,
+weight and bias of one dtype. Anything else raises a tpp.TPPError subclass: UnsupportedError
+for devices and dtypes, ArgumentError for shapes, sizes and mismatched dtypes.
 
 Linear has torch.nn.Linear's parameters (`weight` (out, in), `bias` (out,)), initialisation
 and state_dict keys, so state dicts load both ways. It packs its weight into the GEMM layout
@@ -23,16 +29,20 @@ the version). Writes through `weight.data` bypass the version counter: call
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 import ops as _ops
+from ops import _host
 from ops.matmul import ACTIVATIONS
+from ops.mlp import check_packed
+from tpp import checks
 from tpp.errors import ArgumentError, UnsupportedError
 
 __all__ = ["LinearFunction", "Linear", "MLP", "linear"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _SAVES_OUTPUT = ("sigmoid", "tanh")     # their backward reads the output, not z
+_TORCH_ACTIVATION = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu,
+                     "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
 def _check_tensor(t, name):
@@ -79,13 +89,12 @@ def _check(x, weight, bias, activation, packed=None):
         if tuple(bias.shape) != (n,):
             raise ArgumentError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
     if packed is not None:
-        if not isinstance(packed, _ops.PackedWeight):
-            raise ArgumentError(f"packed: expected an ops.PackedWeight, got "
-                                f"{type(packed).__name__}")
-        same_dtype = getattr(torch, packed.dtype.torch_name) == weight.dtype
-        if (packed.n, packed.k) != (n, k) or not same_dtype:
-            raise ArgumentError(f"packed: {packed!r} does not match a weight of shape "
-                                f"{tuple(weight.shape)} and dtype {weight.dtype}")
+        check_packed(packed, weight)
+
+
+def _size(value, name):
+    """A layer size as a Python int >= 0 (numpy integers too), else an ArgumentError."""
+    return checks.integer(value, name, minimum=0, error=ArgumentError)
 
 
 def _plain(t):
@@ -94,63 +103,82 @@ def _plain(t):
     return t.detach() if t._is_view() else t
 
 
+def _torch_linear(x, weight, bias, activation):
+    """act(x @ weight.T + bias) in torch's operators, recorded by autograd as usual."""
+    return _TORCH_ACTIVATION[activation](torch.nn.functional.linear(x, weight, bias))
+
+
 class LinearFunction(torch.autograd.Function):
     """y = act(x @ weight.T + bias) on TPPs: LinearFunction.apply(x, weight, bias, activation,
-    packed), packed an ops.PackedWeight of weight (or None: packed here)."""
+    packed), packed an ops.PackedWeight of weight (or None: packed here); x and weight
+    non-empty (ops.torch.linear serves every shape). Differentiable to any order: a backward
+    run with create_graph=True computes in torch ops (see _differentiable_grads)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, packed):
-        n = weight.shape[0]
-        m = 1
-        for d in x.shape[:-1]:
-            m *= d
-        need = ctx.needs_input_grad[:3]
-        ctx.activation = activation
-        ctx.empty = m == 0
-        if m == 0:                      # torch.nn.Linear accepts an empty batch
-            ctx.shapes = (x.shape, weight.shape)
-            return x.new_empty((*x.shape[:-1], n))
-        if not any(need):
+        if not any(ctx.needs_input_grad[:3]):
             return _plain(_ops.mlp(x, weight, bias, activation, packed=packed))
         y, saved = _ops.mlp_forward(x, weight, bias, activation, packed=packed)
         y = _plain(y)
+        ctx.activation = activation
         ctx.tpp_saved = saved
         # saved through autograd too, so in-place changes to them before the backward raise
-        # torch's usual error instead of giving wrong gradients
+        # torch's usual error instead of giving wrong gradients. The bias is kept aside: the
+        # TPP backward never reads it, and torch.nn.Linear lets it change before backward.
         ctx.save_for_backward(x, weight, y if activation in _SAVES_OUTPUT else None)
+        ctx.bias = bias
+        ctx.bias_version = None if bias is None else bias._version
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.empty:
-            x_shape, w_shape = ctx.shapes
-            dx = dy.new_zeros(x_shape) if need_x else None
-            dw = dy.new_zeros(w_shape) if need_w else None
-            db = dy.new_zeros(w_shape[0]) if need_b else None
-            return dx, dw, db, None, None
-        ctx.saved_tensors               # the version check
-        saved = ctx.tpp_saved
-        dx, dw, db = _ops.mlp_backward(dy.contiguous(), saved, need_x=need_x, need_w=need_w,
-                                       need_b=need_b)
-        return dx, dw, db, None, None
+        x, weight, _ = ctx.saved_tensors        # also the version check
+        need = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():             # create_graph=True
+            grads = _differentiable_grads(ctx, dy, x, weight, need)
+        else:
+            need_x, need_w, need_b = need
+            grads = _ops.mlp_backward(dy.contiguous(), ctx.tpp_saved, need_x=need_x,
+                                      need_w=need_w, need_b=need_b)
+        return (*grads, None, None)
 
 
-def linear(x, weight, bias=None, activation=None, *, packed=None):
+def _differentiable_grads(ctx, dy, x, weight, need):
+    """(dx, dw, db) of LinearFunction (None where need is False) as torch operations that
+    autograd records, from the forward recomputed in torch ops: the gradients are then
+    differentiable in x, weight, bias and dy, as torch.nn.Linear's are."""
+    bias = ctx.bias
+    if bias is not None and bias._version != ctx.bias_version:
+        raise ArgumentError("bias was modified in place after the forward; a backward with "
+                            "create_graph=True recomputes the forward from it: run the "
+                            "forward again after changing the bias")
+    inputs = [t for t, needed in zip((x, weight, bias), need) if needed]
+    y = _torch_linear(x, weight, bias, ctx.activation)
+    grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=True))
+    return tuple(next(grads) if needed else None for needed in need)
+
+
+def linear(x, weight, bias=None, activation=None, *, packed=None, **unknown):
     """act(x @ weight.T + bias) like torch.nn.functional.linear followed by the activation
-    (None, "relu", "gelu" (erf form), "sigmoid", "tanh"); differentiable in x, weight, bias.
-    packed: an ops.pack_nk(weight.detach()) to reuse (it must hold weight's current values)."""
+    (None, "relu", "gelu" (erf form), "sigmoid", "tanh"); differentiable in x, weight, bias,
+    to any order. packed: an ops.pack_nk(weight.detach()) to reuse (it must hold weight's
+    current values)."""
+    _host.reject_unknown(linear, unknown)
     _check(x, weight, bias, activation, packed)
-    return _linear(x, weight, bias, activation, packed)
+    return _linear(x, weight, bias, activation, lambda: packed)
 
 
-def _linear(x, weight, bias, activation, packed):
+def _linear(x, weight, bias, activation, pack):
+    """The checked call: torch ops when there is nothing to multiply, else the TPP nests, with
+    autograd's Function when a gradient is wanted. pack() gives the packed weight (or None),
+    called only when the nests run (an empty weight cannot be packed)."""
+    if x.numel() == 0 or weight.numel() == 0:
+        return _torch_linear(x, weight, bias, activation)
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                          (bias is not None and bias.requires_grad))
-    if not grad and x.numel() > 0:
-        return _plain(_ops.mlp(x, weight, bias, activation, packed=packed))
-    return LinearFunction.apply(x, weight, bias, activation, packed)
+    if not grad:
+        return _plain(_ops.mlp(x, weight, bias, activation, packed=pack()))
+    return LinearFunction.apply(x, weight, bias, activation, pack())
 
 
 class Linear(torch.nn.Module):
@@ -165,6 +193,8 @@ class Linear(torch.nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, activation: str | None = None):
+        in_features = _size(in_features, "in_features")
+        out_features = _size(out_features, "out_features")
         _check_activation(activation)
         if dtype is not None and dtype not in _DTYPES:
             raise UnsupportedError(f"dtype {dtype} is not supported; ops.torch.Linear supports "
@@ -205,7 +235,7 @@ class Linear(torch.nn.Module):
 
     def forward(self, x):
         _check(x, self.weight, self.bias, self.activation)     # before packing the weight
-        return _linear(x, self.weight, self.bias, self.activation, self.packed_weight())
+        return _linear(x, self.weight, self.bias, self.activation, self.packed_weight)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -229,9 +259,8 @@ class MLP(torch.nn.Sequential):
 
     def __init__(self, in_features: int, hidden_features, activation: str | None = "gelu",
                  bias: bool = True, dtype=None, device=None):
-        hidden = list(hidden_features)
-        if not hidden:
-            raise ArgumentError("hidden_features: expected at least one layer size, got none")
+        in_features = _size(in_features, "in_features")
+        hidden = _sizes(hidden_features)
         _check_activation(activation)
         layers = []
         width = in_features
@@ -244,3 +273,15 @@ class MLP(torch.nn.Sequential):
         self.in_features = in_features
         self.hidden_features = hidden
         self.activation = activation
+
+
+def _sizes(hidden_features):
+    """MLP's hidden_features as a non-empty list of Python ints >= 0."""
+    try:
+        hidden = list(hidden_features)
+    except TypeError:
+        raise ArgumentError(f"hidden_features: expected a list of layer sizes, got "
+                            f"{hidden_features!r}") from None
+    if not hidden:
+        raise ArgumentError("hidden_features: expected at least one layer size, got none")
+    return [_size(h, f"hidden_features[{i}]") for i, h in enumerate(hidden)]
