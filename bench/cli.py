@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         return e.status
 
     from . import suites as registry
-    from .records import fill_ratios
+    from .records import fill_ratios, settle_copy_peaks
 
     known = registry.load()
     if args.list:
@@ -257,6 +257,9 @@ def main(argv=None) -> int:
     finally:
         if bar:
             bar.stop()
+    for r in settle_copy_peaks(ctx.records):
+        ctx.note(f"{r.suite} {r.case} {r.shape_text} {r.provider}: {r.extra['above_peak']:.2f}x "
+                 f"the best copy at its memory level; its peak fraction is capped at 100%")
     fill_ratios(ctx.records)
 
     details = sysinfo.collect()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .records import copy_peaks
 from .report import PROVIDER_ORDER
 
 # eltwise cases with a defined count of operations per input element (max, add, add)
@@ -114,15 +115,10 @@ def _groups(records) -> int:
 
 
 def roofs(records) -> tuple:
-    """(f32 compute peak GFLOP/s or None, {level: copy GB/s}) from the peak suite's records."""
+    """(f32 compute peak GFLOP/s or None, {level: best copy GB/s}) from the run's records."""
     compute = next((r.median for r in records if r.suite == "peak" and r.metric == "compute"
                     and r.case == "fma f32"), None)
-    bandwidth = {}
-    for r in records:
-        if r.suite == "peak" and r.case == "copy" and r.metric == "bandwidth":
-            level = r.extra.get("peak_level", "?")
-            bandwidth[level] = max(bandwidth.get(level, 0.0), r.median)
-    return compute, bandwidth
+    return compute, copy_peaks(records)
 
 
 def intensity(r) -> float | None:

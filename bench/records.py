@@ -13,9 +13,10 @@ A record is one measurement of one provider on one case:
   unit           the unit of median, p20 and p80
   median, p20, p80   statistics over the samples, in `unit`; for a rate the p20 is the rate of
                  the 80th-percentile time, so p20 <= median <= p80 always holds
-  peak_fraction  for bandwidth: median / the copy bandwidth peak measured in the same run at the
-                 same memory level (extra["peak_level"]); for compute: median / the FMA (or bf16
-                 dot) peak of the record's dtype measured in the same run; None for time
+  peak_fraction  for bandwidth: median / the best copy bandwidth measured in the same run at the
+                 same memory level (extra["peak_level"]; see settle_copy_peaks), at most 1; for
+                 compute: median / the FMA (or bf16 dot) peak of the record's dtype measured in
+                 the same run; None for time
   ratios         on tpp records: {provider: tpp's speed / that provider's speed} for every other
                  provider measured on the same case and shape in the same run (> 1: tpp is
                  faster); empty on other records
@@ -85,6 +86,49 @@ def fill_ratios(records) -> None:
         for r in ours:
             r.ratios = {o.provider: r.speed() / o.speed() for o in members
                         if o.provider != "tpp" and o.speed() > 0 and math.isfinite(o.speed())}
+
+
+def is_copy(r: Record) -> bool:
+    """Whether r measures a CPU copy (any suite, any provider): a candidate yardstick of the
+    bandwidth records at its memory level."""
+    return r.case == "copy" and r.metric == "bandwidth" and r.backend == "cpu"
+
+
+def copy_peaks(records) -> dict:
+    """{memory level: the best copy GB/s among the records at that level}."""
+    best: dict = {}
+    for r in records:
+        if is_copy(r):
+            level = r.extra["peak_level"]
+            best[level] = max(best.get(level, 0.0), r.median)
+    return best
+
+
+def settle_copy_peaks(records) -> list:
+    """Give every CPU bandwidth record its peak fraction against the yardstick of its memory
+    level: the best copy measured at that level in the run (copy_peaks), which is also noted
+    in extra["peak_gbps"] (and extra["is_peak"] on copies). No fraction exceeds 1: a record
+    faster than the yardstick (a reduction, which reads far more than it writes, or timing
+    noise) gets 1.0 and keeps its own ratio in extra["above_peak"]. Returns those records.
+    A level without a copy leaves its records' fractions None."""
+    peaks = copy_peaks(records)
+    above = []
+    for r in records:
+        if r.metric != "bandwidth" or r.backend != "cpu" or "peak_level" not in r.extra:
+            continue
+        peak = peaks.get(r.extra["peak_level"])
+        if not peak:
+            r.peak_fraction = None
+            continue
+        r.extra["peak_gbps"] = peak
+        if is_copy(r):
+            r.extra["is_peak"] = r.median == peak
+        ratio = r.median / peak
+        r.peak_fraction = min(ratio, 1.0)
+        if ratio > 1.0:
+            r.extra["above_peak"] = ratio
+            above.append(r)
+    return above
 
 
 def write_json(records, path) -> None:

@@ -65,9 +65,10 @@ def suite_table(suite: str, records) -> tuple[str, list, list]:
 
 _TITLES = {
     "peak": "peak: one core's FMA/bf16-dot compute peak (GFLOP/s) and copy bandwidth, read + "
-            "written bytes (GB/s; tpp/peak = share of the best)",
-    "eltwise": "eltwise: GB/s (read + written bytes / median time); tpp/peak = of the copy "
-               "peak at the same level; vs X = tpp speed / X speed",
+            "written bytes (GB/s; tpp/peak = share of the best copy at that memory level in "
+            "the run)",
+    "eltwise": "eltwise: GB/s (read + written bytes / median time); tpp/peak = of the best "
+               "copy at the same memory level (at most 100%); vs X = tpp speed / X speed",
     "overhead": "overhead: per-call time of a 64x64 f32 relu (us); cffi = an empty function, "
                 "the floor; vs X = X time / tpp time",
     "jit": "jit: kernel compile and load times (ms)",

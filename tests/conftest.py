@@ -1,5 +1,28 @@
-"""Test session setup: a private kernel cache, so tests never read or write ~/.cache/tpp."""
+"""Test session setup: a private kernel cache, so tests never read or write ~/.cache/tpp.
+
+Unless TPP_CACHE_DIR is set already (by the user: then it is used as it is and kept), the
+process that starts the test run makes one temporary cache directory when pytest is configured,
+before any test module is imported, and removes it when the run ends. With pytest-xdist that
+process is the controller: its workers start later, inherit TPP_CACHE_DIR and so share the
+directory (and neither make nor remove one).
+"""
 import os
+import shutil
 import tempfile
 
-os.environ.setdefault("TPP_CACHE_DIR", tempfile.mkdtemp(prefix="tpp-test-cache-"))
+_MADE = []   # the directory this process made for the run in progress
+
+
+def pytest_configure(config):
+    if not os.environ.get("TPP_CACHE_DIR"):
+        path = tempfile.mkdtemp(prefix="tpp-test-cache-")
+        os.environ["TPP_CACHE_DIR"] = path
+        _MADE.append(path)
+
+
+def pytest_unconfigure(config):
+    while _MADE:
+        path = _MADE.pop()
+        if os.environ.get("TPP_CACHE_DIR") == path:
+            del os.environ["TPP_CACHE_DIR"]
+        shutil.rmtree(path, ignore_errors=True)

@@ -401,3 +401,45 @@ def test_plot_writes_pngs(tmp_path, capsys):
     assert plot.intensity(rec("eltwise", "relu", [4, 4], bytes_per_call=128)) == 0.125
     assert plot.intensity(rec("eltwise", "exp", [4, 4], bytes_per_call=128)) is None
     assert plot.output_path("d/out.png", "peak").as_posix() == "d/out-peak.png"
+
+
+# ------------------------------------------------------------------ copy yardsticks
+def _bw(suite, case, provider, median, level="cache"):
+    return Record(suite=suite, case=case, provider=provider, shape=[64, 64], metric="bandwidth",
+                  unit="GB/s", median=median, p20=median, p80=median,
+                  extra={"peak_level": level})
+
+
+def test_the_yardstick_is_the_best_copy_and_no_fraction_exceeds_one():
+    from bench.records import settle_copy_peaks
+    peak_copy = _bw("peak", "copy", "numpy", 50.0)
+    fast_copy = _bw("eltwise", "copy", "tpp", 80.0)       # an L1-sized copy, faster
+    relu = _bw("eltwise", "relu", "tpp", 76.0)
+    reduce = _bw("eltwise", "reduce_sum", "tpp", 96.0)    # reads far more than it writes
+    dram = _bw("eltwise", "relu", "tpp", 10.0, level="dram")   # no copy at that level
+    flops = Record(suite="brgemm", case="f32", provider="tpp", shape=[1], metric="compute",
+                   unit="GFLOP/s", median=9.0, p20=9.0, p80=9.0, peak_fraction=0.5)
+    records = [peak_copy, fast_copy, relu, reduce, dram, flops]
+    assert settle_copy_peaks(records) == [reduce]
+    assert peak_copy.peak_fraction == 50.0 / 80.0 and not peak_copy.extra["is_peak"]
+    assert fast_copy.peak_fraction == 1.0 and fast_copy.extra["is_peak"]
+    assert relu.peak_fraction == 76.0 / 80.0
+    assert reduce.peak_fraction == 1.0 and reduce.extra["above_peak"] == 96.0 / 80.0
+    assert all(r.extra["peak_gbps"] == 80.0 for r in records[:4])
+    assert dram.peak_fraction is None and flops.peak_fraction == 0.5
+
+
+def test_tiny_run_fractions_are_of_the_best_copy(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert cli.main(["peak", "eltwise", "--tiny", "--providers", "tpp,numpy", "-q", "--plain",
+                     "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    bandwidth = [r for r in records if r["metric"] == "bandwidth"]
+    copies = [r for r in bandwidth if r["case"] == "copy"]
+    assert {tuple(r["shape"]) for r in copies if r["suite"] == "eltwise"} == \
+        {tuple(r["shape"]) for r in bandwidth if r["suite"] == "eltwise"}
+    for r in bandwidth:
+        assert 0 < r["peak_fraction"] <= 1.0, r
+        level = r["extra"]["peak_level"]
+        assert r["extra"]["peak_gbps"] == max(c["median"] for c in copies
+                                              if c["extra"]["peak_level"] == level)

@@ -129,3 +129,62 @@ def test_disk_cache_can_be_turned_off(tmp_path, monkeypatch):
     dc = cache.DiskCache(None)
     dc.store("k", b"v")
     assert dc.load("k") is None
+
+
+def _read_only(directory, monkeypatch):
+    """Make directory read-only for this process: chmod 0500, and for root (who may write
+    anyway) a cache that sees it as not writable. Undone by the `restore` it returns."""
+    os.chmod(directory, 0o500)
+    if os.getuid() == 0:
+        monkeypatch.setattr(cache, "_writable", lambda d: False)
+    return lambda: os.chmod(directory, 0o700)
+
+
+def test_a_read_only_cache_is_read_but_not_written(cache_dir, monkeypatch):
+    cache.DiskCache(cache_dir).store("key", b"payload")
+    restore = _read_only(cache_dir, monkeypatch)
+    try:
+        ro = cache.DiskCache(cache_dir)
+        assert ro.load("key") == b"payload"           # a pre-filled shared cache is used
+        assert not ro.writable
+        assert ro.store("other", b"x") is None and ro.load("other") is None
+        assert sorted(p.name for p in cache_dir.iterdir()) == [ro.path_for("key").name]
+    finally:
+        restore()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a file to another user")
+def test_a_read_only_cache_trusts_only_the_user_and_root(cache_dir, monkeypatch):
+    dc = cache.DiskCache(cache_dir)
+    dc.store("mine", b"a")
+    dc.store("foreign", b"b")
+    os.chown(dc.path_for("foreign"), 12345, 12345)
+    restore = _read_only(cache_dir, monkeypatch)
+    try:
+        ro = cache.DiskCache(cache_dir)
+        assert ro.load("mine") == b"a" and ro.load("foreign") is None
+    finally:
+        restore()
+
+
+def test_kernels_load_from_a_read_only_cache(cache_dir, monkeypatch):
+    spec = tpp.make_unary("abs", 3, 13)
+    backend.compile(spec)                             # pre-fills the cache
+    entries = sorted(cache_dir.iterdir())
+    restore = _read_only(cache_dir, monkeypatch)
+    try:
+        backend.reset_disk_cache()
+        counts = dict(backend.COUNTS)
+        backend.compile(spec)
+        assert backend.COUNTS["loaded"] == counts["loaded"] + 1
+        assert backend.COUNTS["built"] == counts["built"]
+        compiled = backend.compile(tpp.make_unary("abs", 3, 14))   # a miss: built, not stored
+        assert backend.COUNTS["built"] == counts["built"] + 1
+        assert sorted(cache_dir.iterdir()) == entries
+        fn = tpp.arrays.ffi.cast("void(*)(intptr_t, intptr_t)", compiled.address)
+        x = -np.arange(42, dtype=np.float32).reshape(3, 14)
+        y = np.empty_like(x)
+        fn(x.ctypes.data, y.ctypes.data)
+        np.testing.assert_array_equal(y, np.abs(x))
+    finally:
+        restore()

@@ -1,17 +1,13 @@
 """Reductions (reduce_*) and data movement (transpose, vnni2, vnni2_inv, gather_rows,
 scatter_rows) against tpp.reference: values for reductions, bits for the movers, and nothing
 written outside the output block."""
-import os
 import re
-import tempfile
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-os.environ.setdefault("TPP_CACHE_DIR", tempfile.mkdtemp(prefix="tpp-test-cache-"))
-
-import tpp  # noqa: E402
+import tpp   # tests/conftest.py has set TPP_CACHE_DIR already
 
 RNG = np.random.default_rng(20240607)
 

@@ -7,6 +7,11 @@ payload's SHA-256. `load` returns None, so the caller rebuilds, for anything it 
 missing, truncated, corrupt or foreign entry (another key, another format), one not owned by
 this user, a symlink. `store` writes a temporary file and renames it into place, so readers
 never see half an entry and two processes storing the same key at once both succeed.
+
+A directory this process cannot write to (a shared cache, pre-filled and mounted read-only) is
+still read, and only stores are skipped; there an entry owned by root is trusted too, besides
+this user's own (whoever filled a shared cache, no other user's file is ever loaded). A
+writable directory is used only when it belongs to this user.
 """
 from __future__ import annotations
 
@@ -30,13 +35,21 @@ def default_directory() -> Path | None:
     return Path.home() / ".cache" / "tpp"
 
 
+def _writable(directory: Path) -> bool:
+    """Whether this process may create files in directory."""
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
 class DiskCache:
     def __init__(self, directory: Path | None):
         self.directory = None if directory is None else Path(directory)
+        self.writable = False     # settled by _prepare: False for a read-only cache
+        self._owners = frozenset((os.getuid(),))   # whose entries load() trusts
         self._ready = False
 
     def _prepare(self) -> bool:
-        """Create the directory (owner-only) once; False disables the cache."""
+        """Create the directory (owner-only) once and settle what the cache may do; False
+        disables it (no directory, or a writable one of another user)."""
         if self.directory is None:
             return False
         if not self._ready:
@@ -46,9 +59,12 @@ class DiskCache:
             except OSError:
                 self.directory = None
                 return False
-            if st.st_uid != os.getuid() or not os.access(self.directory, os.W_OK):
+            self.writable = _writable(self.directory)
+            if self.writable and st.st_uid != os.getuid():
                 self.directory = None
                 return False
+            if not self.writable:
+                self._owners = frozenset((os.getuid(), 0))
             self._ready = True
         return True
 
@@ -66,7 +82,7 @@ class DiskCache:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in self._owners:
                 return None
             with os.fdopen(fd, "rb", closefd=False) as f:
                 blob = f.read()
@@ -77,8 +93,9 @@ class DiskCache:
         return _decode(blob, key)
 
     def store(self, key: str, payload: bytes) -> Path | None:
-        """Store payload under key; returns the entry's path, or None if it could not be written."""
-        if not self._prepare():
+        """Store payload under key; returns the entry's path, or None if it could not be written
+        (or the cache is read-only)."""
+        if not self._prepare() or not self.writable:
             return None
         blob = _encode(key, payload)
         try:

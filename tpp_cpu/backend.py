@@ -37,6 +37,11 @@ _GENERATORS = {
 }
 
 
+# Kernels this process got so far: "built" (generated and compiled by LLVM) and "loaded" (a
+# disk cache hit). tpp.cache_info() reports them; nothing resets them.
+COUNTS = {"built": 0, "loaded": 0}
+
+
 @dataclass(frozen=True)
 class CompiledKernel:
     spec: object
@@ -105,8 +110,11 @@ def compile(spec, target: Target | None = None) -> CompiledKernel:
     symbol = symbol_for(key)
     disk = _disk()
     address = _load_cached(disk, key, symbol, target)
-    if address is None:
+    if address is not None:
+        COUNTS["loaded"] += 1
+    else:
         obj = build_object(spec, target, symbol)
+        COUNTS["built"] += 1
         library = sharedlib.link(obj) if disk.directory is not None else None
         disk.store(key, library if library is not None else obj)
         if library is not None:

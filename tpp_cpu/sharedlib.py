@@ -3,11 +3,18 @@
 A cached kernel stored as a shared library loads in a fraction of a millisecond in a new
 process without importing LLVM at all. Where no linker is installed, `link` returns None and
 the caller keeps the relocatable object, which the MCJIT engine loads (`jit.load`).
+
+Loading leaves nothing behind on disk: each library is written to its own temporary file,
+dlopen'ed and unlinked at once (no per-process directory to clean up, even after a crash).
+A library stays loaded for the life of the process, and bytes loaded once are not loaded again:
+a kernel whose in-process handle was dropped (tpp.clear_caches, an evicted variant) reuses its
+code instead of mapping another copy.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -16,6 +23,7 @@ from pathlib import Path
 
 _ET_REL, _ET_DYN = 1, 3
 _LIBS = []   # keep every loaded library alive for the life of the process
+_LOADED: dict = {}   # (sha256 of the library, symbol) -> address, for every load so far
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,17 +64,24 @@ def is_object(blob: bytes) -> bool:
     return elf_type(blob) == _ET_REL
 
 
-@functools.lru_cache(maxsize=None)
-def _private_dir() -> str:
-    return tempfile.mkdtemp(prefix="tpp-libs-")
-
-
 def load(library: bytes, symbol: str) -> int:
     """Load a shared library given as bytes and return the address of symbol (OSError if
-    impossible). The bytes are written to a file private to this process under a fresh name,
-    loaded, and the file unlinked: what runs is exactly the bytes the caller verified, however
-    the cache file changes later, and no stale handle of an earlier load is ever reused."""
-    fd, name = tempfile.mkstemp(suffix=".so", dir=_private_dir())
+    impossible). The same bytes and symbol give the address of the earlier load; otherwise the
+    bytes are written to a new owner-only temporary file (mkstemp, fresh name), loaded, and the
+    file unlinked: what runs is exactly the bytes the caller verified, however the cache file
+    changes later. Should dlopen hand back an earlier library of other bytes (it matches loaded
+    files by inode, and an unlinked file's inode may be reused), that library lacks `symbol`,
+    whose name is unique to its cache key: OSError, never the wrong code."""
+    key = (hashlib.sha256(library).digest(), symbol)
+    address = _LOADED.get(key)
+    if address is None:
+        address = _LOADED[key] = _dlopen(library, symbol)
+    return address
+
+
+def _dlopen(library: bytes, symbol: str) -> int:
+    """dlopen the bytes through a temporary file, unlinked at once; the address of symbol."""
+    fd, name = tempfile.mkstemp(prefix="tpp-", suffix=".so")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(library)

@@ -1,7 +1,8 @@
 """Compiling generated CUDA kernels with cupy (NVRTC), caching them, launching them.
 
-`function(spec, device)` returns the `CudaFunction` of a spec on a device, compiled once per
-process (cupy also keeps NVRTC's output in its own disk cache, so a new process reloads it).
+`function(spec, device)` returns the `CudaFunction` of a spec on a device, compiled on first use
+and cached (the 512 most recently used; cupy also keeps NVRTC's output in memory and in its own
+disk cache, so a new process reloads it).
 `CudaFunction.launch(args, torch_stream)` launches it with the geometry its generator chose,
 on the current stream: torch's when the call's data are torch tensors, else cupy's. Arguments
 are the 64-bit values the kernel ABI takes (device addresses, counts, strides, seeds).
@@ -17,6 +18,7 @@ import os
 import numpy as np
 
 from tpp.errors import CompileError, UnsupportedError
+from tpp.lru import LRU
 
 from . import generators
 
@@ -133,11 +135,13 @@ def _dump(name, source):
             f.write(source)
 
 
-_FUNCTIONS: dict = {}
+# (spec, device) -> CudaFunction. Dropping one leaves its CUDA module loaded (cupy memoizes
+# RawModules per device), so a kernel still queued on a stream never loses its code.
+_FUNCTIONS = LRU(512, "cuda_functions")
 
 
 def function(spec, device: int) -> CudaFunction:
-    """The compiled kernel of `spec` on CUDA device `device` (cached per process)."""
+    """The compiled kernel of `spec` on CUDA device `device` (cached, see _FUNCTIONS)."""
     key = (spec, device)
     fn = _FUNCTIONS.get(key)
     if fn is None:

@@ -97,7 +97,8 @@ class Context:
     records: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # cases skipped or failed, and why
     done: set = field(default_factory=set)
-    # "cache"/"dram" -> copy bandwidth peak (GB/s); "f32"/"bf16" -> compute peak (GFLOP/s)
+    # "f32"/"bf16" -> compute peak (GFLOP/s), "cuda_copy" -> the device copy (GB/s); the CPU
+    # bandwidth yardsticks are the copy records themselves (records.settle_copy_peaks)
     peaks: dict = field(default_factory=dict)
     # called with a label as each case starts measuring (a progress display), or None
     progress: object = None

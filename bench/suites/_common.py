@@ -97,18 +97,18 @@ def tpp_runner(kernel, arrays: dict, path: str):
 
 def bandwidth_record(ctx, *, suite: str, case: str, provider: str, shape, stats: Stats,
                      nbytes: int, dtype: str = "f32", **extra) -> Record:
-    """A GB/s record (decimal GB) of a case moving nbytes per call, with its peak fraction."""
+    """A GB/s record (decimal GB) of a case moving nbytes per call, at the memory level of
+    nbytes (extra["peak_level"]). Its peak fraction is set when the run ends, against the best
+    copy measured at that level (records.settle_copy_peaks); a record of case "copy" is one of
+    those yardsticks."""
     median, p20, p80 = (v / 1e9 for v in stats.rate(nbytes))
-    level = memory_level(nbytes)
-    peak = ctx.peaks.get(level)
-    info = {"bytes_per_call": int(nbytes), "peak_level": level, "samples": stats.samples,
-            "calls_per_sample": stats.calls_per_sample, "time_median_s": stats.median}
+    info = {"bytes_per_call": int(nbytes), "peak_level": memory_level(nbytes),
+            "samples": stats.samples, "calls_per_sample": stats.calls_per_sample,
+            "time_median_s": stats.median}
     info.update(extra)
-    if peak:
-        info["peak_gbps"] = peak
     return ctx.add(Record(suite=suite, case=case, provider=provider, shape=list(shape),
                           dtype=dtype, metric="bandwidth", unit="GB/s", median=median, p20=p20,
-                          p80=p80, peak_fraction=(median / peak) if peak else None, extra=info))
+                          p80=p80, extra=info))
 
 
 def compute_record(ctx, *, suite: str, case: str, provider: str, shape, stats: Stats,

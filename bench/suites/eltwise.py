@@ -5,9 +5,12 @@ working set within `_common.RAW_PATH_BYTES`) go through tpp's raw-pointer path i
 ones through the array API with `out=` preallocated; numpy and torch always write into
 preallocated outputs where their API allows (torch tensors share the numpy arrays' memory).
 
-GB/s counts the bytes a call must read and write once: 2*m*n*4 for maps and transposes,
-plus n*4 for a broadcast row, m*n*4 + m*4 for a row reduction. `peak_fraction` divides by the
-copy bandwidth the peak suite measured at the same memory level in the same run.
+GB/s counts the bytes a call must read and write once: 2*m*n*4 for copies, maps and
+transposes, plus n*4 for a broadcast row, m*n*4 + m*4 for a row reduction. The first case of
+each shape is a plain copy (tpp identity, np.copyto, torch copy_): the best copy at the memory
+level of a shape is the yardstick there, as fast as any map can go, so `peak_fraction` divides
+by the best copy measured at the same memory level in the run (this suite's and the peak
+suite's) and never exceeds 1 (bench.records.settle_copy_peaks).
 """
 from __future__ import annotations
 
@@ -77,6 +80,11 @@ def _torch_transpose(torch, t):
 
 
 CASES = [
+    Case("copy",
+         kernel=lambda tpp, m, n: tpp.unary("identity", m, n),
+         numpy=lambda a: _loop(np.copyto, a["out"], a["in"]),
+         torch=lambda torch, t: _loop(t["out"].copy_, t["in"]),
+         out_shape=lambda m, n: (m, n), bytes=_map_bytes, rtol=0, atol=0),
     Case("relu",
          kernel=lambda tpp, m, n: tpp.unary("relu", m, n),
          numpy=lambda a: _kw_loop(np.maximum, (a["in"], np.float32(0)), a["out"]),
@@ -121,7 +129,8 @@ def shapes(ctx) -> list:
 
 
 @register("eltwise", default=True, requires=("peak",),
-          help="GB/s of relu, gelu, exp, add (row bcast), reduce_sum, transpose vs numpy, torch")
+          help="GB/s of copy, relu, gelu, exp, add (row bcast), reduce_sum, transpose vs numpy, "
+               "torch")
 def run(ctx):
     if not ctx.wants_dtype("f32"):   # every case is f32
         return

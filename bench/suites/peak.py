@@ -9,8 +9,11 @@ denominators of every compute record's `peak_fraction`.
 Bandwidth: a copy of an f32 block, at a cache-resident size (the working set fits the per-core
 L2) and at a DRAM size (far beyond the last-level cache), by the library's own `identity`
 kernel and by numpy's `np.copyto`. Bytes counted: read + written (2 * m * n * 4);
-write-allocate traffic, which a non-temporal store avoids, is not counted. The best of the
-providers at each level is the peak that `peak_fraction` divides by.
+write-allocate traffic, which a non-temporal store avoids, is not counted. At the DRAM size the
+identity kernel is the streaming copy: outputs of 16 MiB and more are written with
+non-temporal stores. The yardstick of a memory level, which every bandwidth record's
+`peak_fraction` divides by, is the best copy measured at that level in the run: these, and
+the copy the eltwise suite measures at each of its shapes (bench.records.settle_copy_peaks).
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def compute(ctx):
 
 
 def bandwidth(ctx):
-    """Copy GB/s at each memory level; sets ctx.peaks["cache"] and ctx.peaks["dram"]."""
+    """Copy GB/s at each memory level (records of case "copy": yardsticks)."""
     for level, (m, n) in sizes(ctx).items():
         nbytes = 2 * m * n * 4
         assert memory_level(nbytes) == level, (level, nbytes)
@@ -97,13 +100,6 @@ def bandwidth(ctx):
                 ctx.note(f"{label} tpp: the identity kernel's output differs from its input")
         if not found:
             ctx.note(f"no copy bandwidth at the {level} level: peak fractions there are unknown")
-            continue
-        best = max(r.median for r in found)
-        ctx.peaks[level] = best
-        for r in found:
-            r.peak_fraction = r.median / best
-            r.extra["peak_gbps"] = best
-            r.extra["is_peak"] = r.median == best
         del x, y
 
 
