@@ -17,6 +17,7 @@ import functools
 import tpp
 from tpp import arrays
 from tpp.errors import ArgumentError
+from tpp.lru import also_clear
 
 from . import _host
 
@@ -60,6 +61,9 @@ def _map_nest(op, family, m, n, dtypes_in, dtype_out, params):
     return nest.compile()
 
 
+also_clear(_map_nest.cache_clear)   # tpp.clear_caches() empties it too
+
+
 def map_rows(op, inputs, out, **params):
     """out = op(*inputs) over whole matrices (unary ops, their *_inv backward, binary ops);
     inputs a list or tuple of arrays; params the op's parameters (tpp.unary's keywords)."""
@@ -91,6 +95,9 @@ def _transpose_nest(m, n, dtype):
     return nest.compile()
 
 
+also_clear(_transpose_nest.cache_clear)   # tpp.clear_caches() empties it too
+
+
 def transpose(x, out, **unknown):
     """out (N, M) = x.T for x (M, N)."""
     _host.reject_unknown(transpose, unknown)
@@ -113,6 +120,9 @@ def _colsum_nest(m, n, dtype, dtype_out):
                               axis=0)
         nest.call(spec, x[0, a * COLS], out[a * COLS], when=cond(a))
     return nest.compile()
+
+
+also_clear(_colsum_nest.cache_clear)   # tpp.clear_caches() empties it too
 
 
 def column_sums(x, out, **unknown):

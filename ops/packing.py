@@ -53,8 +53,9 @@ def _check_bn(bn, n):
     return min(value, n)
 
 
-def pack_kn(b, *, bn: int | None = None) -> PackedWeight:
+def pack_kn(b, *, bn: int | None = None, **unknown) -> PackedWeight:
     """Pack B given as a (K, N) array (the right operand of x @ B)."""
+    _host.reject_unknown(pack_kn, unknown)
     b = _host.host(b, "b")
     if b.ndim != 2 or 0 in b.shape:
         raise ArgumentError(f"b: expected a non-empty 2-D (K, N) array, got shape "
@@ -74,8 +75,9 @@ def pack_kn(b, *, bn: int | None = None) -> PackedWeight:
     return PackedWeight(out, k, n, bn, dt)
 
 
-def pack_nk(w, *, bn: int | None = None) -> PackedWeight:
+def pack_nk(w, *, bn: int | None = None, **unknown) -> PackedWeight:
     """Pack B = w.T given w as an (N, K) array (torch.nn.Linear's weight layout)."""
+    _host.reject_unknown(pack_nk, unknown)
     w = _host.host(w, "weight")
     if w.ndim != 2 or 0 in w.shape:
         raise ArgumentError(f"weight: expected a non-empty 2-D (N, K) array, got shape "

@@ -6,6 +6,7 @@ import pytest
 
 import ops
 import ops.blocked
+import tpp
 from tpp import ArgumentError, TPPError
 
 torch = pytest.importorskip("torch")
@@ -340,3 +341,19 @@ def test_cached_plan_still_checks_blocking_types():
     for bad in (ops.Blocking(4.0, 4), ops.Blocking(4, True)):
         with pytest.raises(ArgumentError, match="must be a positive int"):
             ops.matmul(a, b, blocking=bad)
+
+
+def test_packing_unknown_keywords_are_argument_errors():
+    w = np.ones((4, 4), np.float32)
+    for pack in (ops.pack_kn, ops.pack_nk):
+        with pytest.raises(ArgumentError, match="'block_n'"):
+            pack(w, block_n=4)
+
+
+def test_clear_caches_empties_the_blocked_nests():
+    from ops import blocked
+    x = np.ones((4, 4), np.float32)
+    blocked.transpose(x, np.empty_like(x))
+    assert blocked._transpose_nest.cache_info().currsize >= 1
+    tpp.clear_caches()
+    assert blocked._transpose_nest.cache_info().currsize == 0
