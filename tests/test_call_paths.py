@@ -108,3 +108,61 @@ def test_output_tensor_that_requires_grad_is_refused():
     mm = tpp.brgemm(4, 4, 4, beta=1)
     with pytest.raises(ArgumentError, match="requires grad"):
         mm(torch.randn(1, 4, 4), torch.randn(1, 4, 4), torch.zeros(4, 4, requires_grad=True))
+
+
+# ---------------------------------------------------------------- loop nests
+def _gemm_nest():
+    nest = tpp.LoopNest("a", a=2)
+    a, = nest.vars
+    A = nest.tensor("A", (2, 8, 8))
+    B = nest.tensor("B", (2, 8, 8))
+    C = nest.tensor("C", (8, 8))
+    nest.call(tpp.unary("zero", 8, 8), C[0], when=(a == 0))
+    nest.call(tpp.brgemm(8, 8, 8, beta=1), A[a], B[a], C[0], count=1)
+    return nest.compile()
+
+
+def test_nest_refuses_an_output_overlapping_an_input_on_every_path():
+    gemm = _gemm_nest()
+    A, B = _f32(2, 8, 8), _f32(2, 8, 8)
+    gemm(A, B, np.empty((8, 8), np.float32))           # the fast path is warm
+    for call in (lambda: gemm(A, B, A[0]),             # positional, fast path
+                 lambda: gemm(A=A, B=B, C=A[1]),       # named
+                 lambda: gemm(A, B, A[0], threads=1)):
+        before = A.copy()
+        with pytest.raises(ArgumentError, match="C overlaps A"):
+            call()
+        assert np.array_equal(A, before)
+    torch = pytest.importorskip("torch")
+    At = torch.from_numpy(A)
+    with pytest.raises(ArgumentError, match="C overlaps A"):   # the checked (bind) path
+        gemm(At, torch.from_numpy(B), At[0])
+
+
+def _map_nest(op):
+    nest = tpp.LoopNest("A", a=4)
+    a, = nest.vars
+    x = nest.tensor("x", (16, 8))
+    y = nest.tensor("y", (16, 8))
+    nest.call(tpp.unary(op, 4, 8), x[a * 4], y[a * 4])
+    return nest.compile()
+
+
+def test_nest_allows_the_identical_array_for_element_wise_calls_only():
+    relu = _map_nest("relu")
+    x = _f32(16, 8)
+    want = np.maximum(x, 0)
+    relu(x, x)
+    assert np.array_equal(x, want)
+    with pytest.raises(ArgumentError, match="y overlaps x"):
+        buf = np.zeros(16 * 8 + 8, np.float32)
+        relu(buf[:128].reshape(16, 8), buf[8:].reshape(16, 8))   # shifted by a row
+    nest = tpp.LoopNest("A", a=2)                       # a transpose may not write in place
+    a, = nest.vars
+    s = nest.tensor("s", (2, 8, 8))
+    t = nest.tensor("t", (2, 8, 8))
+    nest.call(tpp.unary("transpose", 8, 8), s[a], t[a])
+    transpose = nest.compile()
+    z = _f32(2, 8, 8)
+    with pytest.raises(ArgumentError, match="t overlaps s"):
+        transpose(z, z)

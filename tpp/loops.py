@@ -25,6 +25,8 @@ reads or writes outside the arrays it is given.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import arrays, checks
@@ -173,6 +175,8 @@ class CompiledNest:
                 if isinstance(arg, Address) and op is not None and op.role != "in":
                     written.add(arg.tensor)
         self._written = frozenset(written)
+        self._aliasable = _aliasable_pairs(spec, self._written)
+        self._nbytes = tuple(math.prod(t.shape) * t.dtype.itemsize for t in spec.tensors)
         slots = loopnest.layout(spec)
         table = np.zeros(slots["size"], np.int64)
         for k, kspec in enumerate(spec.kernel_specs()):
@@ -213,6 +217,7 @@ class CompiledNest:
             if tensor.name not in given:
                 raise ArgumentError(f"missing array for tensor {tensor.name!r}")
             table[1 + k] = _check(tensor, given[tensor.name], k in self._written)
+        self._check_overlap([int(v) for v in table[1:1 + len(self.names)]])
         if threads is not None:
             threads = checks.thread_count(threads, "threads")
         if not self._has_runtime:
@@ -255,7 +260,27 @@ class CompiledNest:
                 buffers.append(from_buffer(arr, require_writable=written))
             except (BufferError, TypeError, ValueError):
                 return None
+        if self._written and len(buffers) > 1:
+            cast = arrays.ffi.cast
+            self._check_overlap([int(cast("intptr_t", p)) for p in buffers])
         return [arrays.ffi.cast("void *", threads)] + buffers + self._tail_pointers
+
+    def _check_overlap(self, addresses):
+        """A tensor the nest writes may not share memory with another tensor of the call,
+        except as the identical array where the nest allows it (see _aliasable_pairs)."""
+        nbytes = self._nbytes
+        for w in self._written:
+            lo, hi = addresses[w], addresses[w] + nbytes[w]
+            for j, start in enumerate(addresses):
+                if j == w or not (start < hi and lo < start + nbytes[j]):
+                    continue
+                if start == lo and (w, j) in self._aliasable:
+                    continue
+                raise ArgumentError(
+                    f"{self.names[w]} overlaps {self.names[j]}: the nest writes "
+                    f"{self.names[w]}, so it must not share memory with another tensor "
+                    f"(the identical array is allowed only where every call that touches "
+                    f"both is element-wise at the same offsets)")
 
     def run(self, table):
         """Run with a table from `bind` (the arrays it was bound to must still be alive)."""
@@ -267,6 +292,40 @@ class CompiledNest:
     def dump(self, what: str = "asm") -> str:
         from tpp_cpu import backend
         return backend.dump(self.spec, what)
+
+
+_IN_PLACE_KINDS = ("map", "map_inv", "compare")
+
+
+def _aliasable_pairs(spec: LoopNestSpec, written) -> frozenset:
+    """Pairs (w, j), w a written tensor, that may be given the identical array: w and j have
+    the same shape and dtype, and every call that names either names both, in an element-wise
+    kernel, as whole blocks of equal ld at the same offset; each element is then read before it
+    is written, by the same call, as a primitive's own in-place rule allows."""
+    pairs = set()
+    tensors = spec.tensors
+    for w in written:
+        for j in range(len(tensors)):
+            if j != w and tensors[j].shape == tensors[w].shape \
+                    and tensors[j].dtype == tensors[w].dtype \
+                    and all(_same_blocks(call, w, j) for call in spec.calls):
+                pairs.add((w, j))
+    return frozenset(pairs)
+
+
+def _same_blocks(call, w: int, j: int) -> bool:
+    """Whether call leaves tensors w and j alone, or touches both only in the in-place way."""
+    slots = [(arg, op) for arg, op in zip(call.args, raw_operands(call.spec))
+             if isinstance(arg, Address) and arg.tensor in (w, j)]
+    if not slots:
+        return True
+    if call.spec.family == "brgemm" or call.spec.info.kind not in _IN_PLACE_KINDS:
+        return False
+    if {arg.tensor for arg, _ in slots} != {w, j}:
+        return False
+    return (len({arg.offset for arg, _ in slots}) == 1
+            and all(op.layout == "block" for _, op in slots)
+            and len({op.ld for _, op in slots}) == 1)
 
 
 def _check(tensor: Tensor, arr, writable: bool) -> int:
