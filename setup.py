@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tpp", "tpp_cpu", "tpp_cuda", "ops", "ops.*", "bench", "bench.*"]),
-    install_requires=["numpy>=1.24", "llvmlite>=0.45,<0.48", "cffi>=1.15", "ml_dtypes>=0.3"],
+    install_requires=["numpy>=1.24", "llvmlite>=0.45,<0.51", "cffi>=1.15", "ml_dtypes>=0.3"],
     extras_require={
         # 2.13.0 is the CPU build these machines keep on disk; an unpinned torch pulls a CUDA build.
         "torch": ["torch==2.13.0"],

@@ -225,6 +225,16 @@ def store_vec(b, value, base, offset, count: int | None = None, streaming: bool 
         else:
             b.store(value, ptr, align=align)
         return
+    if count == 1 and isinstance(ty, ir.IntType) and ty.width < 64:
+        # One active lane of integers narrower than 64 bits (bf16 bits): a scalar store of
+        # lane 0, not a masked store. LLVM 22's X86 backend (llvmlite 0.48-0.50) lowers a
+        # one-lane masked store of `trunc <16 x i32> to <16 x i16>` (which LLVM 20 makes a
+        # k-masked vpmovdw) to a store of the untruncated i32 lane, `vmovd %xmm, (mem)`:
+        # 2 bytes written past the element (apparently llvm/llvm-project#179489, fixed on
+        # LLVM main by PR #179853). The scalar store is a 16-bit vpextrw on every LLVM and ISA,
+        # and no slower than kmov + vpmovdw; other counts and element types keep masked stores.
+        b.store(b.extract_element(value, ir.Constant(I32, 0)), ptr, align=align)
+        return
     fn = intrinsic(b.module, "llvm.masked.store", ir.VoidType(), [vt, PTR, I32, vec(I1, w)], [vt, PTR])
     b.call(fn, [value, ptr, ir.Constant(I32, align), lane_mask(w, count)])
 
