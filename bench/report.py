@@ -69,7 +69,8 @@ _TITLES = {
             "the run)",
     "eltwise": "eltwise: GB/s (read + written bytes / median time); tpp/peak = of the best "
                "copy at the same memory level (at most 100%); vs X = tpp speed / X speed",
-    "overhead": "overhead: per-call time of a 64x64 f32 relu (us); cffi = an empty function, "
+    "overhead": "overhead: us per call of each call path (relu 64x64, BRGEMM 16x16x16 x 1, "
+                "ops.linear M x K x N, ops.torch.Linear forward); cffi = an empty function, "
                 "the floor; vs X = X time / tpp time",
     "jit": "jit: kernel compile and load times (ms)",
     "brgemm": "brgemm: GFLOP/s (2*m*n*k*batch / median time), shape = m x n x k x batch; "

@@ -48,7 +48,7 @@ _TORCH_ACTIVATION = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.fun
 def _check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:            # (t.device.type costs ~0.4 us per call)
         raise UnsupportedError(f"{name}: tensor on {t.device}; ops.torch runs on CPU tensors "
                                f"only")
     if t.dtype not in _DTYPES:

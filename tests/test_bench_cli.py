@@ -121,6 +121,39 @@ def test_tiny_run_json_schema(tmp_path, capsys):
     assert ("call_raw", "cffi") in overhead
 
 
+def test_tiny_overhead_reports_every_call_path(tmp_path, capsys):
+    """overhead: each path (raw, array API, checked unary, checked BRGEMM, ops.linear,
+    ops.torch.Linear forward) next to numpy, torch and the empty cffi call, with ratios from the
+    same run and, on the checked paths, their cost over the raw call."""
+    path = tmp_path / "out.json"
+    assert cli.main(["overhead", "--tiny", "-q", "--plain", "--json", str(path)]) == 0
+    records = [r for r in json.loads(path.read_text()) if r["suite"] == "overhead"]
+    _check_schema(records)
+    by = {(r["case"], r["provider"]): r for r in records}
+    want = {("call_raw", "tpp"), ("call_raw", "cffi"), ("call_out", "tpp"), ("call_out", "numpy"),
+            ("call_alloc", "tpp"), ("call_checked", "tpp"), ("call_checked", "numpy"),
+            ("brgemm_raw", "tpp"), ("brgemm_raw", "cffi"), ("brgemm", "tpp"),
+            ("brgemm", "numpy"), ("linear", "tpp"), ("linear", "numpy")}
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        want |= {("call_out", "torch"), ("call_torch", "tpp"), ("call_torch", "torch"),
+                 ("brgemm", "torch"), ("linear", "torch"), ("Linear fwd", "tpp"),
+                 ("Linear fwd", "torch"), ("Linear fwd no_grad", "tpp"),
+                 ("Linear fwd no_grad", "torch")}
+        assert set(by[("Linear fwd", "tpp")]["ratios"]) == {"torch"}
+    assert want <= set(by)
+    assert all(r["unit"] == "us" and r["metric"] == "time" and r["median"] > 0 for r in records)
+    assert by[("brgemm", "tpp")]["shape"] == [16, 16, 16, 1]
+    assert set(by[("brgemm", "tpp")]["ratios"]) >= {"numpy"}
+    for case, raw in (("brgemm", "brgemm_raw"), ("call_checked", "call_raw")):
+        extra = by[(case, "tpp")]["extra"]
+        assert math.isclose(extra["raw_us"], by[(raw, "tpp")]["median"])
+        assert math.isclose(extra["over_raw_us"], by[(case, "tpp")]["median"] - extra["raw_us"])
+
+
 def test_tiny_peak_has_compute_records(tmp_path, capsys):
     """The compute probe runs whatever the providers, and stands in for bf16 where the host
     has no bf16 dot instruction."""

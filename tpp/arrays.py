@@ -6,8 +6,19 @@ anything with `__cuda_array_interface__` or a CUDA DLPack capsule (cupy, numba, 
 through `tpp.device_arrays.CudaView`. Every check raises ArgumentError (or UnsupportedError for
 what no backend can run) naming the operand, what was expected and what was given; nothing
 reaches compiled code unchecked.
+
+Validation costs O(1) Python work per operand. What depends only on an array's signature
+(its type, shape, strides, dtype and device: `signature`) is computed once per signature and
+cached: its `Layout` (dtype, strides in elements, the byte span around its first element) and,
+per operand, the ld a block check returns (`LayoutChecks`). What depends on the object itself
+is read on every call: its address, its writability and, for torch outputs, its autograd state.
+Overlap is decided on (address, byte span) integers (`span`, `extent`, `overlap`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ctypes
 
 import cffi
 import numpy as np
@@ -16,8 +27,12 @@ from . import device_arrays
 from . import dtypes as _dt
 from .device_arrays import CudaView
 from .errors import ArgumentError, UnsupportedError
+from .lru import also_clear
 
 ffi = cffi.FFI()
+_cast = ffi.cast
+
+CACHE_LIMIT = 256    # entries a signature cache keeps before it starts over
 
 _NP_DTYPES = {d.numpy: d for d in (_dt.F32, _dt.BF16, _dt.F16, _dt.I64, _dt.U8)}
 _TORCH_DTYPES: dict = {}
@@ -31,8 +46,17 @@ def _torch_dtype(t):
     return _TORCH_DTYPES.get(t.dtype)
 
 
+_TORCH_TYPES: set = set()       # the torch tensor types seen (is_torch's fast answer)
+
+
 def is_torch(obj) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+    t = type(obj)
+    if t in _TORCH_TYPES:
+        return True
+    if t.__module__.startswith("torch") and hasattr(obj, "data_ptr"):
+        _TORCH_TYPES.add(t)
+        return True
+    return False
 
 
 def as_array(obj, name: str):
@@ -95,6 +119,16 @@ def common_device(named_arrays):
     return next(iter(where), None)
 
 
+def shared_device(layouts, named_arrays):
+    """The one device of `layouts` (None: the host); where they differ, common_device's error
+    naming the (name, array) pairs."""
+    device = layouts[0].device
+    for lay in layouts:
+        if lay.device != device:
+            return common_device(named_arrays)
+    return device
+
+
 def user_object(arr):
     """What to hand back to the user for a bound array (the producer's object for a view)."""
     return arr.obj if isinstance(arr, CudaView) else arr
@@ -110,22 +144,130 @@ def to_host(arr) -> np.ndarray:
     return arr
 
 
-def geometry(arr, name: str):
-    """(DType or None, shape, strides in elements, writable, native dtype) of an array/tensor."""
+# ------------------------------------------------------------ layouts (cached per signature)
+@dataclass(frozen=True, eq=False, slots=True)
+class Layout:
+    """What validation reads from an array apart from its address, writability and autograd
+    state. A function of the array's signature, so computed once per signature (`layout`).
+    Compared and hashed by identity (a cheap key for the per-operand caches)."""
+    dtype: object          # the library's DType, None when it has none
+    native: object         # the producer's dtype (for messages)
+    shape: tuple
+    strides: tuple         # in elements
+    itemsize: int
+    device: int | None     # None: host memory; else the CUDA device ordinal
+    kind: str              # "numpy" (anything numpy reads), "torch" or "cuda" (a CudaView)
+    low: int               # bytes from the first element to the lowest byte spanned (<= 0)
+    high: int              # bytes from the first element to one past the highest (0: empty)
+
+    def same_view(self, addr: int, other: "Layout", other_addr: int) -> bool:
+        """Whether (self, addr) and (other, other_addr) are the identical array: same kind,
+        address, shape, strides and element size (an element-wise op may write onto it)."""
+        return (addr == other_addr and self.kind == other.kind and self.shape == other.shape
+                and self.strides == other.strides and self.itemsize == other.itemsize)
+
+
+_LAYOUTS: dict = {}     # signature -> Layout
+also_clear(_LAYOUTS.clear)
+_TORCH_STRIDED: list = []
+
+
+def signature(arr):
+    """A hashable key of everything `layout` reads (type, shape, strides, dtype, device), or
+    None for arrays whose layout is not cached (device views, numpy subclasses, tensors that
+    are not strided); () for None (no array). Arrays with equal signatures have equal
+    layouts."""
+    t = type(arr)
+    if t is np.ndarray:
+        return t, arr.shape, arr.strides, arr.dtype
+    if arr is None:
+        return ()
+    if is_torch(arr):
+        if not _TORCH_STRIDED:
+            import torch
+            _TORCH_STRIDED.append(torch.strided)
+        if arr.layout is not _TORCH_STRIDED[0]:
+            return None
+        return t, arr.shape, arr.stride(), arr.dtype, arr.device
+    return None
+
+
+def signatures(*arrs):
+    """The tuple of the arrays' signatures (an absent array, None, counts as ()), or None if
+    one of them has no signature: a key for what a call decides from its arrays' layouts."""
+    key = tuple(map(signature, arrs))
+    return None if None in key else key
+
+
+def remember(cache: dict, key, value) -> None:
+    """cache[key] = value in a cache of at most CACHE_LIMIT entries (it starts over when full:
+    the entries are cheap to recompute). A key of None is not stored."""
+    if key is not None:
+        if len(cache) >= CACHE_LIMIT:
+            cache.clear()
+        cache[key] = value
+
+
+def layout(arr, name: str) -> Layout:
+    """The Layout of a bound array (see as_array); ArgumentError for strides that are not
+    whole elements and tensors without strided memory, UnsupportedError for other devices."""
+    key = signature(arr)
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _compute_layout(arr, name)
+        remember(_LAYOUTS, key, lay)
+    return lay
+
+
+def _compute_layout(arr, name: str) -> Layout:
     if isinstance(arr, CudaView):
-        return _NP_DTYPES.get(arr.dtype), arr.shape, arr.strides, not arr.readonly, arr.dtype
+        return _make_layout(_NP_DTYPES.get(arr.dtype), arr.dtype, arr.shape, arr.strides,
+                            arr.itemsize, arr.device, "cuda")
     if is_torch(arr):
         if str(arr.layout) != "torch.strided":
             raise ArgumentError(f"{name}: a {arr.layout} tensor has no strided memory to read; "
                                 f"pass a dense tensor (.to_dense())")
-        dt = _torch_dtype(arr)
-        return dt, tuple(arr.shape), tuple(arr.stride()), True, arr.dtype
-    dt = _NP_DTYPES.get(arr.dtype)
+        return _make_layout(_torch_dtype(arr), arr.dtype, tuple(arr.shape), tuple(arr.stride()),
+                            arr.element_size(), device_of(arr), "torch")
     isz = arr.itemsize
     strides = arr.strides
     if any(s % isz for s in strides):
         raise ArgumentError(f"{name}: strides {strides} are not multiples of the element size {isz}")
-    return dt, arr.shape, tuple(s // isz for s in strides), arr.flags.writeable, arr.dtype
+    return _make_layout(_NP_DTYPES.get(arr.dtype), arr.dtype, tuple(arr.shape),
+                        tuple(s // isz for s in strides), isz, None, "numpy")
+
+
+def _make_layout(dtype, native, shape, strides, itemsize, device, kind) -> Layout:
+    low, high = span(shape, strides, itemsize)
+    return Layout(dtype, native, tuple(int(d) for d in shape), tuple(int(s) for s in strides),
+                  int(itemsize), device, kind, low, high)
+
+
+def span(shape, strides, itemsize: int) -> tuple:
+    """(low, high): an array of this shape and these strides (in elements, any sign) spans the
+    bytes [first element + low, first element + high); (0, 0) when it has no elements."""
+    low = high = 0
+    for d, s in zip(shape, strides):
+        if d == 0:
+            return 0, 0
+        if s < 0:
+            low += (d - 1) * s
+        else:
+            high += (d - 1) * s
+    return low * itemsize, (high + 1) * itemsize
+
+
+def geometry(arr, name: str):
+    """(DType or None, shape, strides in elements, writable, native dtype) of an array/tensor."""
+    lay = layout(arr, name)
+    return lay.dtype, lay.shape, lay.strides, writable(arr, lay), lay.native
+
+
+def writable(arr, lay: Layout) -> bool:
+    """Whether the array may be written (numpy's flag, a view's read-only bit; torch: True)."""
+    if lay.kind == "numpy":
+        return arr.flags.writeable
+    return lay.kind == "torch" or not arr.readonly
 
 
 def first_block(arr):
@@ -138,25 +280,55 @@ def first_block(arr):
 
 def pointer(arr):
     """A cffi void* to the first element (zero copy)."""
-    if is_torch(arr):
-        return ffi.cast("void *", arr.data_ptr())
-    if arr.flags.c_contiguous and arr.size:
-        return ffi.from_buffer(arr)
-    return ffi.cast("void *", arr.ctypes.data)
+    return _cast("void *", address(arr))
 
 
 def address(arr) -> int:
     """The address of the first element, as an int (for calls through integer arguments)."""
+    if type(arr) is np.ndarray:
+        if _DATA_FIELD is not None:
+            return _DATA_FIELD(id(arr) + _DATA_OFFSET).value
+        return arr.ctypes.data
     if isinstance(arr, CudaView):
         return arr.ptr
     return arr.data_ptr() if is_torch(arr) else arr.ctypes.data
 
 
+def _numpy_data_field():
+    """(reader, offset): where an ndarray object keeps its data pointer, read as
+    reader(id(arr) + offset).value in ~0.1 us (.ctypes.data takes ~1 us). numpy's C ABI fixes
+    the field (PyArrayObject_fields.data, right after the object header) and CPython's id() is
+    the object's address; both are verified here on sample arrays, and where they do not hold
+    (another Python implementation) the reader is None and .ctypes.data is used."""
+    reader, offset = ctypes.c_size_t.from_address, object.__basicsize__
+    base = np.zeros((4, 6))
+    samples = (base, base[1:, ::-2], base.T, np.zeros(0, np.uint8), np.arange(5)[::-1])
+    try:
+        if all(reader(id(a) + offset).value == a.ctypes.data for a in samples):
+            return reader, offset
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return None, 0
+
+
+_DATA_FIELD, _DATA_OFFSET = _numpy_data_field()
+
+
+def extent(arr, name: str = "array") -> tuple:
+    """[first byte, last byte + 1) of the memory an array or tensor spans (empty: lo == hi)."""
+    lay = layout(arr, name)
+    start = address(arr)
+    return start + lay.low, start + lay.high
+
+
 def overlap(a, b) -> bool:
     """Whether the memory spans of two arrays/tensors intersect."""
-    lo, hi = extent(a)
-    olo, ohi = extent(b)
-    return lo < ohi and olo < hi
+    return spans_overlap(extent(a), extent(b))
+
+
+def spans_overlap(a: tuple, b: tuple) -> bool:
+    """Whether two byte ranges [lo, hi) intersect (an empty range intersects nothing)."""
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]
 
 
 def check_output_tensor(arr, name: str):
@@ -170,15 +342,50 @@ def check_output_tensor(arr, name: str):
                                 f"grad, or write under torch.no_grad())")
 
 
+def check_output(arr, lay: Layout, name: str) -> None:
+    """The checks of an output that depend on the object, not its signature (made on every
+    call): not read-only, and not a torch tensor autograd would miss a write into."""
+    kind = lay.kind
+    if kind == "torch":
+        check_output_tensor(arr, name)
+    elif not arr.flags.writeable if kind == "numpy" else arr.readonly:
+        raise ArgumentError(f"{name}: the output array is read-only")
+
+
 def check(op, arr, name: str) -> int:
     """Validate arr against the Operand op; returns the ld to compile for (0 if not a block)."""
-    dt, shape, strides, writable, given = geometry(arr, name)
-    if dt is not op.dtype:
-        raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
+    lay = layout(arr, name)
+    ld = check_layout(op, lay, name)
     if op.role != "in":
-        if not writable:
-            raise ArgumentError(f"{name}: the output array is read-only")
-        check_output_tensor(arr, name)
+        check_output(arr, lay, name)
+    return ld
+
+
+class LayoutChecks:
+    """check_layout(op, layout, name) for one operand, remembered per Layout: the ld of a
+    layout checked once is returned again at the cost of a dict lookup. Errors are not
+    remembered (an invalid layout raises on every call)."""
+
+    __slots__ = ("op", "_lds")
+
+    def __init__(self, op):
+        self.op = op
+        self._lds: dict = {}
+
+    def ld(self, lay: Layout, name: str) -> int:
+        ld = self._lds.get(lay)
+        if ld is None:
+            ld = check_layout(self.op, lay, name)
+            remember(self._lds, lay, ld)
+        return ld
+
+
+def check_layout(op, lay: Layout, name: str) -> int:
+    """The checks of arr against the Operand op that depend only on its layout (dtype, shape,
+    strides); returns the ld to compile for (0 if not a block)."""
+    shape, strides = lay.shape, lay.strides
+    if lay.dtype is not op.dtype:
+        raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {lay.native}")
     layout = op.layout
     if layout == "block":
         rows = shape[0] if len(shape) == 2 else None
@@ -230,19 +437,6 @@ def _vector_shapes(layout, length):
     if layout == "row":
         return f"({length},) or (1, {length})"
     return f"({length},) or ({length}, 1)"
-
-
-def extent(arr):
-    """[first byte, last byte + 1) of the memory an array or tensor spans."""
-    if isinstance(arr, CudaView):
-        return device_arrays.extent(arr)
-    if is_torch(arr):
-        isz = arr.element_size()
-        start = arr.data_ptr()
-        span = sum((d - 1) * s for d, s in zip(arr.shape, arr.stride())) + 1
-        return start, start + span * isz
-    low, high = np.byte_bounds(arr) if hasattr(np, "byte_bounds") else np.lib.array_utils.byte_bounds(arr)
-    return low, high
 
 
 def allocate(op, like_torch: bool, device=None):

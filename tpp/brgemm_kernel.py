@@ -15,11 +15,15 @@ kernel on their device (offset tables may be host or device arrays: they are che
 and copied to the device; address mode builds its pointer table on the host and copies it).
 With a relu bitmask the result is (c, mask). Every array is checked (shape, dtype, strides, offsets within
 the base array, C not overlapping an input) before the compiled code runs; the raw path
-(`Kernel.raw`, see tpp.brgemm_spec for its signature) checks nothing.
+(`Kernel.raw`, see tpp.brgemm_spec for its signature) checks nothing. The checks cost O(1)
+Python work per array (O(count) for the offset tables and address lists): what depends on an
+array's layout is remembered per layout (tpp.arrays), overlap is decided on byte ranges.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,12 +39,52 @@ from .lru import LRU, VARIANTS_PER_KERNEL
 _SIGNATURE = "void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t)"
 
 
+class Bound(NamedTuple):
+    """An array of a call, checked: its name (for messages), the array as bound
+    (tpp.arrays.as_array), its Layout and the address of its first element."""
+    name: str
+    arr: object
+    layout: object
+    address: int
+
+    @property
+    def span(self) -> tuple:
+        """[first byte, last byte + 1) of its memory."""
+        return _span(self.layout, self.address)
+
+
+def _bound(arr, name: str) -> Bound:
+    """Bound of an array already through tpp.arrays.as_array."""
+    return Bound(name, arr, arrays.layout(arr, name), arrays.address(arr))
+
+
+def _span(lay, address: int) -> tuple:
+    return address + lay.low, address + lay.high
+
+
+class _Plan(NamedTuple):
+    """What a batch='stride' call on the host decides from its arrays' signatures alone: made
+    by the first call that passes every check, used by every later call with the same
+    signatures, which then checks only what depends on the arrays themselves (see _run)."""
+    fn: object            # the C function for the call's (lda, ldb, ldc)
+    blocks_a: int
+    blocks_b: int
+    stride_a: int         # batch strides in elements
+    stride_b: int
+    layouts: tuple        # of a, b, c, bias, mask; None where the caller passed none
+    use_torch: bool       # outputs allocated here are torch tensors
+
+
 class BrgemmKernel(KernelBase):
     def __init__(self, spec):
         self.spec = spec
         self._ops = {op.name: op for op in spec.operands()}
         self._variants = LRU(VARIANTS_PER_KERNEL, "variants")   # lds -> C function
         self._raw = None
+        self._checks = {name: arrays.LayoutChecks(op) for name, op in self._ops.items()}
+        self._stacks = {"a": {}, "b": {}}   # batch='stride': Layout -> (ld, batch stride)
+        self._plans: dict = {}                # batch='stride': signatures -> _Plan
+        self._bitmask = bool(spec.bitmask)
 
     # ------------------------------------------------------------ compilation
     def _spec_for(self, lds: tuple):
@@ -70,6 +114,55 @@ class BrgemmKernel(KernelBase):
         if unknown:
             reject_unknown_call("brgemm kernel call", unknown,
                                 ("c", "bias", "mask", "offsets_a", "offsets_b", "count"))
+        if self._plans and offsets_a is None and offsets_b is None:
+            signature = arrays.signature       # arrays.signatures, unrolled
+            plan = self._plans.get((signature(a), signature(b), signature(c),
+                                    () if bias is None else signature(bias),
+                                    () if mask is None else signature(mask)))
+            if plan is not None:
+                return self._run(plan, a, b, c, bias, mask, count)
+        return self._call_checked(a, b, c, bias, mask, offsets_a, offsets_b, count)
+
+    def _run(self, plan: _Plan, a, b, c, bias, mask, count):
+        """A stride-mode call whose arrays have the signatures `plan` was made for: what does
+        not follow from them is checked here (count, the outputs' writability and autograd
+        state, overlap between outputs and the other arrays, on their addresses)."""
+        fn, blocks_a, blocks_b, stride_a, stride_b, layouts, use_torch = plan
+        la, lb, lc, lbias, lmask = layouts
+        if count is None and blocks_a == blocks_b:
+            count = blocks_a
+        else:
+            count = self._stride_count(count, blocks_a, blocks_b)
+        address = arrays.address
+        pa, pb = address(a), address(b)
+        inputs = [(pa + la.low, pa + la.high), (pb + lb.low, pb + lb.high)]
+        pbias = 0
+        if lbias is not None:
+            pbias = address(bias)
+            inputs.append((pbias + lbias.low, pbias + lbias.high))
+        c, pc, c_span = self._output("c", c, lc, use_torch)
+        if not self._bitmask:
+            _check_no_overlap((c_span,), inputs)
+            fn(pa, pb, pc, pbias, 0, count, stride_a, stride_b)
+            return c
+        mask, pmask, mask_span = self._output("mask", mask, lmask, use_torch)
+        _check_no_overlap((c_span, mask_span), inputs)
+        fn(pa, pb, pc, pbias, pmask, count, stride_a, stride_b)
+        return c, mask
+
+    def _output(self, name: str, arr, lay, use_torch: bool) -> tuple:
+        """(array, address, span) of an output of a planned call: the caller's, checked (its
+        span: it may overlap something), or a new one where lay is None (span None)."""
+        if lay is None:
+            arr = arrays.allocate(self._ops[name], use_torch)
+            return arr, arrays.address(arr), None
+        arrays.check_output(arr, lay, name)
+        addr = arrays.address(arr)
+        return arr, addr, (addr + lay.low, addr + lay.high)
+
+    def _call_checked(self, a, b, c, bias, mask, offsets_a, offsets_b, count):
+        """Any call: every check; a stride-mode call on the host leaves a plan for the next
+        call with the same array signatures."""
         spec, ops = self.spec, self._ops
         if spec.batch != "offset" and (offsets_a is not None or offsets_b is not None):
             raise ArgumentError(f"offsets_a/offsets_b belong to batch='offset'; this kernel's "
@@ -79,53 +172,70 @@ class BrgemmKernel(KernelBase):
                                 "this kernel has no bias (build it with bias='row')")
         if mask is not None and not spec.bitmask:
             raise ArgumentError("this kernel writes no bitmask (relu with bitmask=True does)")
+        key = arrays.signatures(a, b, c, bias, mask) if spec.batch == "stride" else None
         binder = {"stride": self._bind_stride, "offset": self._bind_offset,
                   "address": self._bind_address}[spec.batch]
         count, lda, ldb, a_base, b_base, arg_a, arg_b, inputs = binder(
             a, b, count, offsets_a, offsets_b)
 
-        c_given = c is not None
-        c = arrays.as_array(c, "c") if c_given else None
-        bias = arrays.as_array(bias, "bias") if spec.bias else None
-        mask = arrays.as_array(mask, "mask") if mask is not None else None
-        named = [("a", x) for x in inputs[0]] + [("b", x) for x in inputs[1]] + \
-            [(k, v) for k, v in (("c", c), ("bias", bias), ("mask", mask)) if v is not None]
-        device = arrays.common_device(named)
-        use_torch = any(arrays.is_torch(x) for _, x in named)
-        inputs = inputs[0] + inputs[1]
-        if c is None:
-            if spec.beta:
-                raise ArgumentError("beta=1 reads C: pass c=...")
-            c = arrays.allocate(ops["c"], use_torch, device)
-        ldc = arrays.check(ops["c"], c, "c")
-        extras = []
+        given = {name: _bound(arrays.as_array(x, name), name)
+                 for name, x in (("c", c), ("bias", bias), ("mask", mask)) if x is not None}
+        named = inputs + list(given.values())
+        device = arrays.shared_device([x.layout for x in named],
+                                      [(x.name, x.arr) for x in named])
+        use_torch = any(x.layout.kind == "torch" for x in named)
+        if "c" not in given and spec.beta:
+            raise ArgumentError("beta=1 reads C: pass c=...")
+        written = {}
+        for name in ("c", "mask") if spec.bitmask else ("c",):
+            x = given.get(name)
+            if x is None:
+                x = _bound(arrays.allocate(ops[name], use_torch, device), name)
+            written[name] = x
+        ldc = self._checks["c"].ld(written["c"].layout, "c")
         if spec.bias:
-            arrays.check(ops["bias"], bias, "bias")
-            inputs.append(bias)
+            self._checks["bias"].ld(given["bias"].layout, "bias")
+            inputs.append(given["bias"])
         if spec.bitmask:
-            mask = arrays.allocate(ops["mask"], use_torch, device) if mask is None else mask
-            arrays.check(ops["mask"], mask, "mask")
-            extras.append(mask)
-        written = [c] + extras
-        if c_given or extras:
-            _check_no_overlap(written, inputs)
+            self._checks["mask"].ld(written["mask"].layout, "mask")
+        for name, x in written.items():
+            if name in given:
+                arrays.check_output(x.arr, x.layout, name)
+        _check_no_overlap([x.span if name in given else None for name, x in written.items()],
+                          [x.span for x in inputs])
 
         keep = []       # the int64 tables the kernel reads, alive until the launch is queued
         arg_a, arg_b = (x if isinstance(x, int) else _table(x, device, use_torch, keep)
                         for x in (arg_a, arg_b))
         if spec.batch == "address":
             a_base, b_base = (_table(x, device, use_torch, keep) for x in (a_base, b_base))
-        args = (a_base, b_base, arrays.address(c), arrays.address(bias) if spec.bias else 0,
-                arrays.address(mask) if spec.bitmask else 0, count, arg_a, arg_b)
+        mask = written.get("mask")
+        args = (a_base, b_base, written["c"].address, given["bias"].address if spec.bias else 0,
+                mask.address if mask else 0, count, arg_a, arg_b)
         if device is None:
-            self._variant((lda, ldb, ldc))(*args)
+            fn = self._variant((lda, ldb, ldc))
+            fn(*args)
+            if key is not None:
+                layouts = tuple(x.layout if x is not None else None for x in
+                                (inputs[0], inputs[1], given.get("c"), given.get("bias"),
+                                 given.get("mask")))
+                arrays.remember(self._plans, key, _Plan(
+                    fn, inputs[0].layout.shape[0], inputs[1].layout.shape[0], arg_a, arg_b,
+                    layouts, use_torch))
         else:
             from tpp_cuda import runtime
             runtime.function(self._spec_for((lda, ldb, ldc)), device).launch(
                 args, torch_stream=use_torch)
         del keep
-        c, mask = arrays.user_object(c), arrays.user_object(mask)
-        return (c, mask) if spec.bitmask else c
+        c_out = arrays.user_object(written["c"].arr)
+        return (c_out, arrays.user_object(mask.arr)) if spec.bitmask else c_out
+
+    def _stride_count(self, count, blocks_a: int, blocks_b: int) -> int:
+        """The blocks a stride-mode call uses: count, or all when a and b hold as many."""
+        if blocks_a != blocks_b and count is None:
+            raise ArgumentError(f"a holds {blocks_a} blocks and b {blocks_b}; pass count= "
+                                f"to use fewer")
+        return self._count(count, min(blocks_a, blocks_b), "a or b")
 
     def _count(self, count, available, what):
         """The number of blocks to use, as a Python int: count (any integral value in
@@ -140,30 +250,37 @@ class BrgemmKernel(KernelBase):
         return count
 
     def _bind_stride(self, a, b, count, _oa, _ob):
-        spec, ops = self.spec, self._ops
-        a, b = arrays.as_array(a, "a"), arrays.as_array(b, "b")
-        for name, arr in (("a", a), ("b", b)):
-            shape = tuple(arr.shape)
-            want = (ops[name].rows, ops[name].cols)
+        ops = self._ops
+        a, b = _bound(arrays.as_array(a, "a"), "a"), _bound(arrays.as_array(b, "b"), "b")
+        for x in (a, b):
+            shape = x.layout.shape
+            want = (ops[x.name].rows, ops[x.name].cols)
             if len(shape) != 3 or shape[1:] != want:
-                raise ArgumentError(f"{name}: batch='stride' takes a 3-D array (count, {want[0]}, "
-                                    f"{want[1]}), got shape {shape}")
-        if a.shape[0] != b.shape[0] and count is None:
-            raise ArgumentError(f"a holds {a.shape[0]} blocks and b {b.shape[0]}; pass count= "
-                                f"to use fewer")
-        count = self._count(count, min(a.shape[0], b.shape[0]), "a or b")
-        lds = []
-        for name, arr in (("a", a), ("b", b)):
-            if arr.shape[0] == 0:
-                lds.append(ops[name].ld)
-                continue
-            lds.append(arrays.check(ops[name], arrays.first_block(arr), name))
-        stride = [int(arrays.geometry(x, n)[2][0]) if x.shape[0] > 1 else 0
-                  for x, n in ((a, "a"), (b, "b"))]
-        if min(stride) < 0:
-            raise ArgumentError("a and b must have a non-negative batch stride")
-        return count, lds[0], lds[1], arrays.address(a), arrays.address(b), stride[0], stride[1], \
-            ([a], [b])
+                raise ArgumentError(f"{x.name}: batch='stride' takes a 3-D array (count, "
+                                    f"{want[0]}, {want[1]}), got shape {shape}")
+        count = self._stride_count(count, a.layout.shape[0], b.layout.shape[0])
+        (lda, stride_a), (ldb, stride_b) = self._stack(a), self._stack(b)
+        return count, lda, ldb, a.address, b.address, stride_a, stride_b, [a, b]
+
+    def _stack(self, x: Bound) -> tuple:
+        """(ld, batch stride in elements) of a 3-D stride-mode array of the right shape,
+        remembered per layout: its blocks are checked as the operand (dtype, contiguous rows,
+        ld; nothing to check when it holds none), its batch stride must be >= 0 (0 when it
+        holds one block)."""
+        seen = self._stacks[x.name]
+        found = seen.get(x.layout)
+        if found is None:
+            lay, op = x.layout, self._ops[x.name]
+            ld = op.ld
+            if lay.shape[0]:
+                block = dataclasses.replace(lay, shape=lay.shape[1:], strides=lay.strides[1:])
+                ld = arrays.check_layout(op, block, x.name)     # the blocks' checks
+            stride = lay.strides[0] if lay.shape[0] > 1 else 0
+            if stride < 0:
+                raise ArgumentError("a and b must have a non-negative batch stride")
+            found = (ld, stride)
+            arrays.remember(seen, x.layout, found)
+        return found
 
     def _bind_offset(self, a, b, count, offsets_a, offsets_b):
         spec, ops = self.spec, self._ops
@@ -183,17 +300,16 @@ class BrgemmKernel(KernelBase):
         count = self._count(count, min(len(offs[0]), len(offs[1])), "offsets_a or offsets_b")
         bases = []
         for name, arr, o in (("a", a, offs[0]), ("b", b, offs[1])):
-            arr = arrays.as_array(arr, name)
-            dt, shape, strides, _, given = arrays.geometry(arr, name)
-            op = ops[name]
-            if dt is not op.dtype:
-                raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {given}")
-            if not arrays.contiguous(shape, strides):
+            base = _bound(arrays.as_array(arr, name), name)
+            lay, op = base.layout, ops[name]
+            if lay.dtype is not op.dtype:
+                raise ArgumentError(f"{name}: expected dtype {op.dtype}, got {lay.native}")
+            if not arrays.contiguous(lay.shape, lay.strides):
                 raise ArgumentError(f"{name}: batch='offset' reads a C-contiguous base array")
-            _check_offsets(name, op, o[:count], math.prod(int(d) for d in shape))
-            bases.append(arr)
-        return count, spec.lda, spec.ldb, arrays.address(bases[0]), arrays.address(bases[1]), \
-            offs[0], offs[1], ([bases[0]], [bases[1]])
+            _check_offsets(name, op, o[:count], math.prod(lay.shape))
+            bases.append(base)
+        return count, spec.lda, spec.ldb, bases[0].address, bases[1].address, \
+            offs[0], offs[1], bases
 
     def _bind_address(self, a, b, count, _oa, _ob):
         ops = self._ops
@@ -207,17 +323,17 @@ class BrgemmKernel(KernelBase):
             raise ArgumentError(f"a has {len(seqs[0])} blocks and b {len(seqs[1])}; pass count= "
                                 f"to use fewer")
         count = self._count(count, min(len(seqs[0]), len(seqs[1])), "a or b")
-        pointer_arrays = []
+        pointer_arrays, blocks = [], []
         for name, seq in zip(("a", "b"), seqs):
-            seq = seq[:count]
-            found = {arrays.check(ops[name], x, f"{name}[{i}]") for i, x in enumerate(seq)}
+            seq = [_bound(x, f"{name}[{i}]") for i, x in enumerate(seq[:count])]
+            found = {self._checks[name].ld(x.layout, x.name) for x in seq}
             if len(found) > 1:
                 raise ArgumentError(f"{name}: every block must have the same row stride (ld), "
                                     f"got {sorted(found)}")
             lds.append(found.pop() if found else ops[name].ld)
-            pointer_arrays.append(np.array([arrays.address(x) for x in seq] or [0], np.int64))
-        return count, lds[0], lds[1], pointer_arrays[0], pointer_arrays[1], 0, 0, \
-            (seqs[0][:count], seqs[1][:count])
+            pointer_arrays.append(np.array([x.address for x in seq] or [0], np.int64))
+            blocks += seq
+        return count, lds[0], lds[1], pointer_arrays[0], pointer_arrays[1], 0, 0, blocks
 
 
 def _check_offsets(name: str, op, used: np.ndarray, size: int):
@@ -248,8 +364,19 @@ def _table(host_table: np.ndarray, device, use_torch: bool, keep: list) -> int:
 
 
 def _check_no_overlap(written, inputs):
+    """ArgumentError if an output the caller passed shares memory with an input or with the
+    other output. written: the byte spans [lo, hi) of c (and the bitmask), None for an output
+    allocated by the call (it shares memory with nothing); inputs: the spans of a, b (every
+    block in address mode) and bias. (The tests are tpp.arrays.spans_overlap's, inline.)"""
     for k, w in enumerate(written):
-        if any(arrays.overlap(w, x) for x in inputs):
-            raise ArgumentError("c (and the bitmask) must not overlap a, b or bias")
-        if any(arrays.overlap(w, other) for other in written[k + 1:]):
-            raise ArgumentError("c and the bitmask must not overlap each other")
+        if w is None:
+            continue
+        lo, hi = w
+        if lo == hi:
+            continue
+        for x_lo, x_hi in inputs:
+            if x_lo < hi and lo < x_hi and x_lo < x_hi:
+                raise ArgumentError("c (and the bitmask) must not overlap a, b or bias")
+        for o in written[k + 1:]:
+            if o is not None and arrays.spans_overlap(w, o):
+                raise ArgumentError("c and the bitmask must not overlap each other")

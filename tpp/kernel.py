@@ -17,6 +17,8 @@ there are the caller's responsibility.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from tpp_cpu import backend as cpu_backend   # imports no LLVM: that happens on first compile
@@ -63,6 +65,16 @@ class KernelBase:
         return cpu_backend.dump(self.spec, what, tgt)
 
 
+class _Plan(NamedTuple):
+    """What a checked call decides from its arrays' signatures alone (tpp.arrays.signature):
+    made by the first call with those signatures, reused by every later one."""
+    layouts: tuple        # one Layout per operand (of the array a missing output gets)
+    lds: tuple            # the lds to compile for
+    device: object        # None: the host; else the CUDA device ordinal
+    use_torch: bool       # outputs allocated here are torch tensors
+    fn: object            # the C function for lds (host calls), else None
+
+
 class Kernel(KernelBase):
     def __init__(self, spec):
         self.spec = spec
@@ -71,8 +83,11 @@ class Kernel(KernelBase):
         self._output_idx = [k for k, o in enumerate(self._operands) if o.role != "in"]
         self._needs_seed = spec.scalars == ("seed",)
         self._own_lds = tuple(o.ld for o in self._operands)
-        self._variants = LRU(VARIANTS_PER_KERNEL, "variants")   # lds -> C function
+        self._variants = LRU(VARIANTS_PER_KERNEL, "variants")   # lds -> C function (ints)
         self._raw = None
+        self._checks = [arrays.LayoutChecks(op) for op in self._operands]
+        self._plans: dict = {}      # the operands' signatures (() for missing outputs) -> _Plan
+        self._inplace_ok = spec.info.kind in _INPLACE_KINDS
         self.input_names = tuple(self._operands[k].name for k in self._input_idx)
         self.output_names = tuple(self._operands[k].name for k in self._output_idx)
         self._fast = self._fast_plan()
@@ -121,10 +136,11 @@ class Kernel(KernelBase):
         return self.spec.replace(**changes)
 
     def _variant(self, lds: tuple):
+        """The C function compiled for these lds, taking one integer address per operand."""
         fn = self._variants.get(lds)
         if fn is None:
-            compiled = self._compiled(self._spec_for(lds))
-            fn = arrays.ffi.cast(self._signature("void *"), compiled.address)
+            address = self._compiled(self._spec_for(lds)).address
+            fn = arrays.ffi.cast(self._signature("intptr_t"), address)
             self._variants[lds] = fn
             if lds == self._own_lds:
                 self._fastcall = self._make_fastcall(fn)
@@ -139,8 +155,7 @@ class Kernel(KernelBase):
     def raw(self):
         """The C function for the spec's own lds: raw(addr0, addr1, ..., [seed])."""
         if self._raw is None:
-            compiled = self._compiled(self.spec)
-            self._raw = arrays.ffi.cast(self._signature("intptr_t"), compiled.address)
+            self._raw = self._variant(self._own_lds)
         return self._raw
 
     # ------------------------------------------------------------ calls
@@ -156,131 +171,185 @@ class Kernel(KernelBase):
 
     def _make_fastcall(self, fn):
         """A closure for the common call (see _fast_plan) in as few Python operations as
-        possible; it returns None whenever the checked path must decide."""
+        possible; it returns None whenever the checked path must decide. fn takes integer
+        addresses (the spec's own lds)."""
         if self._fast is None or self._needs_seed:
             return None
         (ins, outs) = self._fast
         if len(outs) != 1 or len(ins) not in (1, 2):
             return None
-        ndarray, empty, from_buffer, may_share = np.ndarray, np.empty, arrays.ffi.from_buffer, \
-            np.may_share_memory
+        ndarray, empty, address = np.ndarray, np.empty, arrays.address
         odt, oshape, _ = outs[0]
+        out_bytes = int(np.prod(oshape)) * np.dtype(odt).itemsize
         # out=x is allowed only where the op may write in place; for any other op the checked
         # path must refuse it, so an identical array is a miss here like any other overlap.
-        inplace_ok = self.spec.info.kind in _INPLACE_KINDS
-        # from_buffer raises BufferError for arrays that are not C-contiguous (and, with
-        # require_writable, for read-only ones): that is the contiguity check.
+        inplace_ok = self._inplace_ok
+        # Each closure: inputs and a given output must be C-contiguous numpy arrays of the
+        # operands' dtypes and shapes, the output writable and sharing no byte with an input
+        # (or being that very input, for an in-place op); anything else is a miss.
         if len(ins) == 1:
             (dt, shape), = ins
+            in_bytes = int(np.prod(shape)) * np.dtype(dt).itemsize
 
             def fast1(inputs, out):
                 if len(inputs) != 1:
                     return None
                 x, = inputs
-                if type(x) is not ndarray or x.dtype != dt or x.shape != shape:
+                if type(x) is not ndarray or x.dtype != dt or x.shape != shape \
+                        or not x.flags.c_contiguous:
                     return None
-                try:
-                    px = from_buffer(x)
-                    if out is None:
-                        out = empty(oshape, odt)
-                    elif type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
-                            or ((out is not x or not inplace_ok) and may_share(x, out)):
-                        return None
-                    fn(px, from_buffer("char[]", out, True))
-                except (BufferError, ValueError):
+                px = address(x)
+                if out is None:
+                    out = empty(oshape, odt)
+                    fn(px, address(out))
+                    return out
+                if type(out) is not ndarray or out.dtype != odt or out.shape != oshape:
                     return None
+                flags = out.flags
+                if not (flags.c_contiguous and flags.writeable):
+                    return None
+                po = address(out)
+                if px < po + out_bytes and po < px + in_bytes and not (inplace_ok and out is x):
+                    return None
+                fn(px, po)
                 return out
             return fast1
 
         (dt0, shape0), (dt1, shape1) = ins
+        bytes0 = int(np.prod(shape0)) * np.dtype(dt0).itemsize
+        bytes1 = int(np.prod(shape1)) * np.dtype(dt1).itemsize
 
         def fast2(inputs, out):
             if len(inputs) != 2:
                 return None
             a, b = inputs
             if type(a) is not ndarray or type(b) is not ndarray or a.dtype != dt0 \
-                    or b.dtype != dt1 or a.shape != shape0 or b.shape != shape1:
+                    or b.dtype != dt1 or a.shape != shape0 or b.shape != shape1 \
+                    or not (a.flags.c_contiguous and b.flags.c_contiguous):
                 return None
-            try:
-                pa, pb = from_buffer(a), from_buffer(b)
-                if out is None:
-                    out = empty(oshape, odt)
-                elif type(out) is not ndarray or out.dtype != odt or out.shape != oshape \
-                        or ((out is not a or not inplace_ok) and may_share(a, out)) \
-                        or ((out is not b or not inplace_ok) and may_share(b, out)):
-                    return None
-                fn(pa, pb, from_buffer("char[]", out, True))
-            except (BufferError, ValueError):
+            pa, pb = address(a), address(b)
+            if out is None:
+                out = empty(oshape, odt)
+                fn(pa, pb, address(out))
+                return out
+            if type(out) is not ndarray or out.dtype != odt or out.shape != oshape:
                 return None
+            flags = out.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return None
+            po = address(out)
+            if pa < po + out_bytes and po < pa + bytes0 and not (inplace_ok and out is a):
+                return None
+            if pb < po + out_bytes and po < pb + bytes1 and not (inplace_ok and out is b):
+                return None
+            fn(pa, pb, po)
             return out
         return fast2
 
     def _call_checked(self, inputs, out, mask, seed):
+        """The call of any arrays, with every check. What follows from the arrays' signatures
+        (dtypes, shapes, strides, devices: the lds) is decided once per signature (_plan);
+        what depends on the arrays themselves is checked on every call: the outputs'
+        writability and autograd state, overlap, index ranges."""
         operands = self._operands
         if len(inputs) != len(self._input_idx):
             raise ArgumentError(f"{self.spec.op} takes {len(self._input_idx)} input array(s) "
                                 f"({', '.join(self.input_names)}), got {len(inputs)}")
-        given = {"out": out, "mask": mask}
-        for key in given:
-            if given[key] is not None and key not in self.output_names:
-                raise ArgumentError(f"{self.spec.op} has no output named {key!r}")
+        if out is not None and "out" not in self.output_names:
+            raise ArgumentError(f"{self.spec.op} has no output named 'out'")
+        if mask is not None and "mask" not in self.output_names:
+            raise ArgumentError(f"{self.spec.op} has no output named 'mask'")
         if self._needs_seed:
-            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-                raise ArgumentError(f"dropout needs an integer seed=..., got {seed!r}")
-            seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-            seed = seed - (1 << 64) if seed >= 1 << 63 else seed
+            scalars = (self._seed(seed),)
         elif seed is not None:
             raise ArgumentError(f"{self.spec.op} takes no seed")
+        else:
+            scalars = ()
 
         bound = [None] * len(operands)
         for k, obj in zip(self._input_idx, inputs):
             bound[k] = arrays.as_array(obj, operands[k].name)
         user_outputs = []
         for k in self._output_idx:
-            obj = given[operands[k].name]
+            obj = out if operands[k].name == "out" else mask
             if obj is not None:
                 bound[k] = arrays.as_array(obj, operands[k].name)
                 user_outputs.append(k)
-        device = arrays.common_device((operands[k].name, a) for k, a in enumerate(bound)
-                                      if a is not None)
-        use_torch = any(arrays.is_torch(bound[k]) for k in self._input_idx)
-        for k in self._output_idx:
-            op = operands[k]
-            if bound[k] is None:
-                if op.role == "inout":
-                    raise ArgumentError(f"{self.spec.op} reads and writes {op.name}: pass it "
-                                        f"as {op.name}=...")
-                if op.rows == -1:
-                    raise ArgumentError(f"{self.spec.op} needs {op.name}=...")
-                bound[k] = arrays.allocate(op, use_torch, device)
-        lds = tuple(arrays.check(op, arr, op.name) for op, arr in zip(operands, bound))
+        key = arrays.signatures(*bound)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(bound)
+            arrays.remember(self._plans, key, plan)
+        else:
+            for k in self._output_idx:
+                if bound[k] is None:
+                    bound[k] = arrays.allocate(operands[k], plan.use_torch, plan.device)
+        layouts = plan.layouts
+        for k in user_outputs:
+            arrays.check_output(bound[k], layouts[k], operands[k].name)
+        addresses = [arrays.address(a) for a in bound]
         if user_outputs:
-            self._check_overlap(bound, user_outputs)
+            self._check_overlap(layouts, addresses, user_outputs)
         if self._has_index:
             self._check_indices(bound)
-        scalars = (seed,) if self._needs_seed else ()
-        if device is None:
-            fn = self._variants.get(lds) or self._variant(lds)
-            fn(*[arrays.pointer(arr) for arr in bound], *scalars)
+        if plan.fn is not None:
+            plan.fn(*addresses, *scalars)
         else:
-            self._cuda_variant(lds, device).launch(
-                [arrays.address(arr) for arr in bound] + list(scalars),
-                torch_stream=any(arrays.is_torch(a) for a in bound))
-        outs = [arrays.user_object(bound[k]) for k in self._output_idx]
-        return outs[0] if len(outs) == 1 else tuple(outs)
+            self._cuda_variant(plan.lds, plan.device).launch(
+                addresses + list(scalars), torch_stream=any(lay.kind == "torch" for lay in layouts))
+        if len(self._output_idx) == 1:
+            return arrays.user_object(bound[self._output_idx[0]])
+        return tuple(arrays.user_object(bound[k]) for k in self._output_idx)
 
-    def _check_overlap(self, bound, user_outputs):
-        inplace_ok = self.spec.info.kind in _INPLACE_KINDS
+    def _plan(self, bound: list) -> _Plan:
+        """The _Plan of a call's arrays (bound: one per operand, None for outputs not given,
+        which are allocated here): every check that depends on their signatures alone."""
+        operands = self._operands
+        layouts = [None if a is None else arrays.layout(a, operands[k].name)
+                   for k, a in enumerate(bound)]
+        present = [k for k, a in enumerate(bound) if a is not None]
+        device = arrays.shared_device([layouts[k] for k in present],
+                                      [(operands[k].name, bound[k]) for k in present])
+        use_torch = any(layouts[k].kind == "torch" for k in self._input_idx)
+        for k in self._output_idx:
+            if bound[k] is None:
+                bound[k] = self._allocate(operands[k], use_torch, device)
+                layouts[k] = arrays.layout(bound[k], operands[k].name)
+        lds = tuple(self._checks[k].ld(layouts[k], op.name) for k, op in enumerate(operands))
+        fn = self._variant(lds) if device is None else None
+        return _Plan(tuple(layouts), lds, device, use_torch, fn)
+
+    @staticmethod
+    def _seed(seed) -> int:
+        """dropout's seed as the int64 the kernel takes (any integer, wrapped to 64 bits)."""
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ArgumentError(f"dropout needs an integer seed=..., got {seed!r}")
+        seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+        return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+    def _allocate(self, op, use_torch: bool, device):
+        """A new array for an output the caller did not pass (where the op allows it)."""
+        if op.role == "inout":
+            raise ArgumentError(f"{self.spec.op} reads and writes {op.name}: pass it "
+                                f"as {op.name}=...")
+        if op.rows == -1:
+            raise ArgumentError(f"{self.spec.op} needs {op.name}=...")
+        return arrays.allocate(op, use_torch, device)
+
+    def _check_overlap(self, layouts, addresses, user_outputs):
+        """ArgumentError if an output the caller passed shares memory with another operand;
+        an element-wise op may write onto the identical array (in place)."""
+        inplace_ok = self._inplace_ok
+        spans = [(a + lay.low, a + lay.high) for lay, a in zip(layouts, addresses)]
         for k in user_outputs:
-            for j, other in enumerate(bound):
-                if j == k:
+            for j in range(len(spans)):
+                if j == k or not arrays.spans_overlap(spans[k], spans[j]):
                     continue
-                if arrays.overlap(bound[k], other):
-                    if inplace_ok and _same_view(bound[k], other):
-                        continue
-                    raise ArgumentError(
-                        f"{self._operands[k].name} overlaps {self._operands[j].name}; only an "
-                        f"elementwise op may write in place, and only onto the identical array")
+                if inplace_ok and layouts[k].same_view(addresses[k], layouts[j], addresses[j]):
+                    continue
+                raise ArgumentError(
+                    f"{self._operands[k].name} overlaps {self._operands[j].name}; only an "
+                    f"elementwise op may write in place, and only onto the identical array")
 
     def _check_indices(self, bound):
         """Row indices must address rows of the operand with a free row count."""
@@ -294,16 +363,3 @@ class Kernel(KernelBase):
                 raise ArgumentError(f"{op.name}: row indices must lie in [0, {rows}), got "
                                     f"[{idx.min()}, {idx.max()}]")
 
-
-def _same_view(a, b) -> bool:
-    if isinstance(a, arrays.CudaView) != isinstance(b, arrays.CudaView) \
-            or arrays.is_torch(a) != arrays.is_torch(b):
-        return False
-    if isinstance(a, arrays.CudaView):
-        return (a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
-                and a.itemsize == b.itemsize)
-    if arrays.is_torch(a):
-        return (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
-                and a.shape == b.shape and a.dtype == b.dtype)
-    return (a.ctypes.data == b.ctypes.data and a.strides == b.strides and a.shape == b.shape
-            and a.dtype.itemsize == b.dtype.itemsize)
