@@ -1,8 +1,12 @@
 """Whole-matrix element-wise, transpose and column-sum operations, as parallel nests of TPPs.
 
-Each function runs one compiled nest over a 2-D (M, N) matrix cut into blocks of ROWS rows
-(and COLS columns where it matters); the last block takes the remainder with a kernel of its
-own size. Inputs and outputs are C-contiguous numpy arrays or torch CPU tensors.
+Each function runs one compiled nest over a 2-D (M, N) matrix. The row count M is a size of the
+nest (tpp.size), given by the arrays at call time, so one nest serves every M: map_rows and
+column_sums compile once per (op, N, dtypes), never per M. Rows go in blocks of ROWS rows, and
+the rows past the last full block in pieces of PIECE rows and then single rows (`row_blocks`):
+three kernels cover any M, the choice among them made at run time. transpose compiles per
+(M, N): its output's row stride is M, and a kernel's leading dimensions are compile-time.
+Inputs and outputs are C-contiguous numpy arrays or torch CPU tensors.
 
     map_rows("gelu", [z], y)                  # y = gelu(z)
     map_rows("gelu_inv", [dy, z], dz)         # unary ops with a second input (backward)
@@ -14,8 +18,11 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import tpp
 from tpp import arrays
+from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 from tpp.lru import also_clear
 
@@ -23,6 +30,7 @@ from . import _host
 
 ROWS = 64
 COLS = 64
+PIECE = 8                    # rows of the middle remainder kernel (row_blocks)
 _SERIAL_ELEMENTS = 1 << 16   # smaller matrices run on one thread: waking the team costs more
 
 
@@ -31,7 +39,7 @@ def _threads(m, n):
 
 
 def split(total, block):
-    """How a loop over the blocks of `total` elements, `block` at a time, meets them:
+    """How a loop over the blocks of `total` elements (an int), `block` at a time, meets them:
     ([(block size, guard builder)], block count). A guard builder takes the loop variable and
     returns the `when=` conditions selecting that size: the full blocks, then the tail."""
     full, tail = divmod(total, block)
@@ -43,21 +51,46 @@ def split(total, block):
     return cases, full + (tail > 0)
 
 
+def row_blocks(m, bm: int):
+    """How a nest meets the rows of a runtime row count m (a tpp.size expression) in blocks of
+    bm: (loop, levels, cases). `loop` runs over the rows (Loop(0, m, 1, blocks=...)) and
+    appears `levels` times in the order string (the first, bm at a time, is the one to make
+    parallel); each case is (rows, guard builder): the guard builder takes the loop's value r,
+    a row, and gives the when= conditions under which a kernel of `rows` rows starts at r.
+    Full blocks of bm rows, then the rows past them in pieces of PIECE rows (when bm is a
+    multiple of PIECE), then single rows: every row is covered exactly once, by at most three
+    kernels, whatever m is (0 included)."""
+    steps = [bm] + ([PIECE] if bm > PIECE and bm % PIECE == 0 else []) + ([1] if bm > 1 else [])
+    loop = tpp.Loop(0, m, steps[-1], blocks=tuple(steps[:-1]))
+    cases = []
+    for k, rows in enumerate(steps):
+        def guard(r, k=k, rows=rows):
+            conds = []
+            if k + 1 < len(steps):    # an aligned start with the whole piece before m
+                conds += [r - r // rows * rows == 0, r + rows <= m]
+            if k > 0:                 # past the rows the bigger pieces cover
+                conds.append(r >= m // steps[k - 1] * steps[k - 1])
+            return tuple(conds)
+        cases.append((rows, guard))
+    return loop, len(steps), cases
+
+
 @functools.lru_cache(maxsize=256)
-def _map_nest(op, family, m, n, dtypes_in, dtype_out, params):
-    cases, blocks = split(m, ROWS)
-    nest = tpp.LoopNest("A", a=blocks)
-    a, = nest.vars
+def _map_nest(op, family, n, dtypes_in, dtype_out, params):
+    m = tpp.size("M")
+    loop, levels, cases = row_blocks(m, ROWS)
+    nest = tpp.LoopNest("A" + "a" * (levels - 1), a=loop)
+    r, = nest.vars
     ins = [nest.tensor(f"in{k}", (m, n), dt) for k, dt in enumerate(dtypes_in)]
     out = nest.tensor("out", (m, n), dtype_out)
-    for rows, cond in cases:
+    for rows, guard in cases:
         if family == "binary":
             spec = tpp.make_binary(op, rows, n, dtype_in0=dtypes_in[0], dtype_in1=dtypes_in[1],
                                    dtype_out=dtype_out, **dict(params))
         else:
             spec = tpp.make_unary(op, rows, n, dtype_in=dtypes_in[0], dtype_out=dtype_out,
                                   **dict(params))
-        nest.call(spec, *[t[a * ROWS] for t in ins], out[a * ROWS], when=cond(a))
+        nest.call(spec, *[t[r] for t in ins], out[r], when=guard(r))
     return nest.compile()
 
 
@@ -74,8 +107,10 @@ def map_rows(op, inputs, out, **params):
     for k, x in enumerate(inputs):
         if _shape2(x, f"input {k}") != (m, n):
             raise ArgumentError(f"input {k}: shape {tuple(x.shape)}, out is {(m, n)}")
+    if n == 0:
+        return out
     dts = tuple(_dtype(x) for x in inputs)
-    nest = _map_nest(op, family, m, n, dts, _dtype(out), tuple(sorted(params.items())))
+    nest = _map_nest(op, family, n, dts, _dtype(out), tuple(sorted(params.items())))
     nest(*inputs, out, threads=_threads(m, n))
     return out
 
@@ -99,30 +134,44 @@ also_clear(_transpose_nest.cache_clear)   # tpp.clear_caches() empties it too
 
 
 def transpose(x, out, **unknown):
-    """out (N, M) = x.T for x (M, N)."""
+    """out (N, M) = x.T for x (M, N) (compiled per (M, N): see the module docstring)."""
     _host.reject_unknown(transpose, unknown)
     m, n = _shape2(x, "x")
     if _output(out) != (n, m):
         raise ArgumentError(f"out: expected shape {(n, m)}, got {tuple(out.shape)}")
-    _transpose_nest(m, n, _dtype(x))(x, out, threads=_threads(m, n))
+    if m and n:
+        _transpose_nest(m, n, _dtype(x))(x, out, threads=_threads(m, n))
     return out
 
 
 @functools.lru_cache(maxsize=256)
-def _colsum_nest(m, n, dtype, dtype_out):
+def _colsum_nest(n, dtype, dtype_out):
+    """out[j] = sum_i x[i, j] as BRGEMMs of a ones row (1 x 1) by each row of x (1 x cols),
+    M of them in one call (count = M, stride_a = 0): f32 sums in registers, any M, one
+    rounding to the output dtype."""
+    m = tpp.size("M")
     cases, blocks = split(n, COLS)
     nest = tpp.LoopNest("A", a=blocks)
     a, = nest.vars
+    ones = nest.tensor("ones", (1,), dtype)
     x = nest.tensor("x", (m, n), dtype)
     out = nest.tensor("out", (n,), dtype_out)
     for cols, cond in cases:
-        spec = tpp.make_unary("reduce_sum", m, cols, ldi=n, dtype_in=dtype, dtype_out=dtype_out,
-                              axis=0)
-        nest.call(spec, x[0, a * COLS], out[a * COLS], when=cond(a))
+        spec = tpp.make_brgemm(1, cols, 1, lda=1, ldb=n, ldc=n, dtype_a=dtype, dtype_b=dtype,
+                               dtype_c=dtype_out)
+        nest.call(spec, ones[0], x[0, a * COLS], out[a * COLS], count=m, stride_a=0,
+                  stride_b=n, when=cond(a))
     return nest.compile()
 
 
 also_clear(_colsum_nest.cache_clear)   # tpp.clear_caches() empties it too
+
+
+@functools.lru_cache(maxsize=None)
+def _ones(dtype: _dt.DType):
+    ones = np.ones(1, dtype.numpy)
+    ones.flags.writeable = False
+    return ones
 
 
 def column_sums(x, out, **unknown):
@@ -133,7 +182,9 @@ def column_sums(x, out, **unknown):
     shape = tuple(_host.host(out, "out").shape)
     if shape != (n,):
         raise ArgumentError(f"out: expected shape {(n,)}, got {shape}")
-    _colsum_nest(m, n, _dtype(x), _dtype(out))(x, out, threads=_threads(m, n))
+    if n:
+        dt = _dtype(x)
+        _colsum_nest(n, dt, _dtype(out))(_ones(dt), x, out, threads=_threads(m, n))
     return out
 
 

@@ -7,17 +7,24 @@
 f32 in, f32 out; or bf16 in, f32 accumulation, bf16 (default) or f32 out. The output is
 `act(a @ b + bias)`, bias one row of N values of the output dtype.
 
-The nest, for blocking (bm, bn, kc), is "aCB": a over K chunks of kc (sequential), then the
-N blocks (c) and M blocks (b) collapsed and split across threads. Each (chunk, b, c) calls one
-BRGEMM of (bm x kc) @ (kc x bn) on the row-major input and the weight's panel: the first chunk
-writes C (beta 0), later chunks add (beta 1), and the last applies bias and activation while
-the tile is in registers. Rows, columns and K past the last full block get kernels of their
-own sizes, chosen by `when=` guards, so any shape runs without padding the input.
+The nest, for blocking (bm, bn, kc), runs over K chunks of kc (sequential, outermost), then the
+N blocks (c) and the row blocks collapsed and split across threads, then the rows inside a
+block (ops.blocked.row_blocks). Each step calls one BRGEMM of (rows x kc) @ (kc x bn) on the
+row-major input and the weight's panel: the first chunk writes C (beta 0), later chunks add
+(beta 1), and the last applies bias and activation while the tile is in registers. The row
+count M is a size of the nest, given by the arrays at call time: one compiled nest serves
+every M (and every batch/sequence shape behind a 3-D input). Rows past the last full block of
+bm go to kernels of 8 rows and then of 1 row, chosen at run time; columns and K past the last
+full block get kernels of their own sizes (the weight's shape is fixed), so any shape runs
+without padding the input.
 
-Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows (all of a
-smaller M), bn = the weight's panel width (64), kc = K up to 768, else 512-element chunks;
-bf16 output keeps K whole (a bf16 C cannot carry partial sums). Problems under 4 MFLOP run on
-one thread: the team's wake-up would cost more than it saves.
+Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows,
+bn = the weight's panel width (64), kc = K up to 768, else 512-element chunks; bf16 output
+keeps K whole (a bf16 C cannot carry partial sums). None of it depends on M. Problems under
+4 MFLOP run on one thread (decided per call): the team's wake-up would cost more than it saves.
+
+Nests are compiled per (weight shape, dtypes, bias, activation, blocking), plans looked up per
+call by the same key, so a new M costs neither a compile nor a plan.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from tpp.errors import ArgumentError
 from tpp.lru import LRU, also_clear
 
 from . import _host
-from .blocked import split
+from .blocked import row_blocks, split
 from .packing import PackedWeight, pack_kn, pack_nk
 
 ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
@@ -44,11 +51,11 @@ class Blocking:
     kc: int      # K elements per BRGEMM (a chunk)
 
 
-def choose_blocking(m: int, k: int, dtype_out: _dt.DType) -> Blocking:
-    bm = m if m < 64 else 64
+def choose_blocking(k: int, dtype_out: _dt.DType) -> Blocking:
+    """64 rows; K whole up to 768 (or for a bf16 output), else chunks of 512."""
     if dtype_out == _dt.BF16 or k <= 768:
-        return Blocking(bm, k)
-    return Blocking(bm, 512)
+        return Blocking(64, k)
+    return Blocking(64, 512)
 
 
 def _as_blocking(bl):
@@ -61,10 +68,10 @@ def _as_blocking(bl):
     return Blocking(_positive(bl.bm, "blocking.bm"), _positive(bl.kc, "blocking.kc"))
 
 
-def _check_blocking(bl, m, k, dtype_out, vnni):
-    """bl (from _as_blocking or choose_blocking) clamped to the problem, or an ArgumentError
+def _check_blocking(bl, k, dtype_out, vnni):
+    """bl (from _as_blocking or choose_blocking) with kc clamped to K, or an ArgumentError
     if the output dtype or VNNI pairs forbid its K chunks."""
-    bl = Blocking(min(bl.bm, m), min(bl.kc, k))
+    bl = Blocking(bl.bm, min(bl.kc, k))
     if bl.kc < k and dtype_out == _dt.BF16:
         raise ArgumentError("blocking.kc < K needs an f32 output (partial sums would be "
                             "rounded to bf16)")
@@ -82,16 +89,17 @@ def _positive(value, what):
 
 
 @functools.lru_cache(maxsize=256)
-def gemm_nest(m, n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
-    """The compiled nest computing y (m, n) = act(x (m, k) @ packed + bias)."""
+def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
+    """The compiled nest computing y (M, n) = act(x (M, k) @ packed + bias), for any M."""
     bm, kc = bl.bm, bl.kc
-    row_cases, blocks_m = split(m, bm)
+    m = tpp.size("M")
+    rows_loop, levels, row_cases = row_blocks(m, bm)
     col_cases, blocks_n = split(n, bn)
     chunks = -(-k // kc)
     k_last = k - (chunks - 1) * kc
     vnni = dtype == _dt.BF16
-    nest = tpp.LoopNest("aCB", a=chunks, b=blocks_m, c=blocks_n)
-    a, b, c = nest.vars
+    nest = tpp.LoopNest("aCB" + "b" * (levels - 1), a=chunks, b=rows_loop, c=blocks_n)
+    a, r, c = nest.vars
     x = nest.tensor("x", (m, k), dtype)
     w = nest.tensor("w", (blocks_n, (k + 1) // 2, 2 * bn) if vnni else (blocks_n, k, bn), dtype)
     y = nest.tensor("y", (m, n), dtype_out)
@@ -112,9 +120,9 @@ def gemm_nest(m, n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
                     bias="row" if (bias and last) else None,
                     activation=activation if last else None)
                 w_at = w[c, a * (kc // 2)] if vnni else w[c, a * kc]
-                nest.call(spec, x[b * bm, a * kc], w_at, y[b * bm, c * bn],
+                nest.call(spec, x[r, a * kc], w_at, y[r, c * bn],
                           bias=bias_t[c * bn] if (bias and last) else None,
-                          when=row_guard(b) + col_guard(c) + kcond)
+                          when=row_guard(r) + col_guard(c) + kcond)
     return nest.compile()
 
 
@@ -142,13 +150,13 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **un
     return y.reshape(*lead, packed.n)
 
 
-_PLANS = LRU(256, "matmul_plans")   # problem -> (nest, threads, dtype_out)
+_PLANS = LRU(256, "matmul_plans")   # problem -> (nest, dtype_out)
 also_clear(gemm_nest.cache_clear)   # tpp.clear_caches() empties the nests too
 
 
-def _plan(m, k, packed, dt, dt_out_arg, has_bias, activation, blocking):
-    """(nest, threads) for one problem, validated once and then looked up."""
-    key = (m, k, packed.k, packed.n, packed.bn, dt, packed.dtype, dt_out_arg, has_bias,
+def _plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking):
+    """(nest, dtype_out) for one kind of problem (any M), validated once and then looked up."""
+    key = (k, packed.k, packed.n, packed.bn, dt, packed.dtype, dt_out_arg, has_bias,
            activation, blocking)     # the weight's K and dtype too: they are checked below
     try:
         plan = _PLANS.get(key)
@@ -166,11 +174,10 @@ def _plan(m, k, packed, dt, dt_out_arg, has_bias, activation, blocking):
     if dt_out not in (_dt.F32, _dt.BF16) or (dt == _dt.F32 and dt_out != _dt.F32):
         raise ArgumentError(f"out_dtype {dt_out} with {dt} inputs: f32 gives f32, bf16 gives "
                             f"bf16 or f32")
-    bl = choose_blocking(m, k, dt_out) if blocking is None else blocking
-    bl = _check_blocking(bl, m, k, dt_out, dt == _dt.BF16)
-    nest = gemm_nest(m, packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
-    threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
-    plan = (nest, threads, dt_out)
+    bl = choose_blocking(k, dt_out) if blocking is None else blocking
+    bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
+    nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
+    plan = (nest, dt_out)
     if key is not None:
         _PLANS[key] = plan
     return plan
@@ -180,11 +187,9 @@ def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
     if not isinstance(packed, PackedWeight):
         raise ArgumentError(f"expected a PackedWeight, got {type(packed).__name__}")
     m, k = a.shape
-    if m == 0:
-        raise ArgumentError(f"{name}: no rows")
     dt = _host.dtype_of(a, name)
-    nest, threads, dt_out = _plan(m, k, packed, dt, out_dtype, bias is not None, activation,
-                                  _as_blocking(blocking))
+    nest, dt_out = _plan(k, packed, dt, out_dtype, bias is not None, activation,
+                         _as_blocking(blocking))
     if bias is not None:
         bias = _host.contiguous(_host.host(bias, "bias"))
     if out is None:
@@ -195,6 +200,7 @@ def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
         # the nest reads its inputs while it writes out: shared memory gives wrong results
         if any(arrays.overlap(out, t) for t in (a, packed.data, bias) if t is not None):
             raise ArgumentError(f"out must not overlap {name}, the weight or the bias")
+    threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
     if bias is None:
         nest(a, packed.data, out, threads=threads)
     else:

@@ -8,21 +8,26 @@ Forward: a BRGEMM nest with bias (and, for inference, the activation) fused in i
 for training the pre-activation z is kept and the activation runs as a unary TPP.
 Backward, with dz = act_inv(dy, z) (the activation's backward TPP):
     dx = dz @ w              BRGEMM nest over w packed as a (N, K) right operand
-    dw = dz.T @ x            transpose TPPs, then a BRGEMM nest over x packed
-    db = dz.sum(axis=0)      reduce_sum TPPs
-x (M, K) and w (N, K) are f32, or bf16 (f32 accumulation, bf16 results, as torch does).
+    dw = dz.T @ x            a BRGEMM nest reading dz transposed (trans_a) and x as it is
+    db = dz.sum(axis=0)      a BRGEMM nest of a ones row by dz (ops.blocked.column_sums)
+x (M, K) and w (N, K) are f32, or bf16 (f32 accumulation, bf16 results, as torch does). Every
+nest takes M at call time: a layer compiles once per (weight shape, dtype, activation), and a
+new M (batch, sequence length) compiles nothing.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
+import tpp
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
+from tpp.lru import also_clear
 
 from . import _host, blocked
-from .matmul import ACTIVATIONS, linear, matmul
+from .matmul import _SERIAL_FLOPS, ACTIVATIONS, linear, matmul
 from .packing import PackedWeight, pack_kn, pack_nk
 
 _BACKWARD = {"relu": "relu_inv", "gelu": "gelu_inv", "sigmoid": "sigmoid_inv",
@@ -139,8 +144,7 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
     if need_x:
         dx = matmul(dz, pack_kn(w)).reshape(*saved.lead, k)
     if need_w:
-        dz_t = blocked.transpose(dz, _host.empty((n, m), dt, dz))
-        dw = matmul(dz_t, pack_kn(x))
+        dw = weight_grad(dz, x)
     if need_b and saved.bias:
         sums = blocked.column_sums(dz, _host.empty((n,), _dt.F32, dz))
         if dt == _dt.F32:
@@ -150,3 +154,39 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
             blocked.map_rows("identity", [sums.reshape(1, n)], db)
             db = db.reshape(n)
     return dx, dw, db
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_grad_nest(n, k, dtype):
+    """dw (n, k) = dz.T @ x for dz (M, n) and x (M, k), any M: per block of dw, one BRGEMM
+    summing M rank-1 updates (depth 1 per pair, count = M), dz read transposed (trans_a) and x
+    row-major, so nothing is transposed or packed; f32 sums in registers, rounded once."""
+    m = tpp.size("M")
+    row_cases, row_blocks = blocked.split(n, blocked.ROWS)
+    col_cases, col_blocks = blocked.split(k, blocked.COLS)
+    nest = tpp.LoopNest("AB", a=row_blocks, b=col_blocks)
+    a, b = nest.vars
+    dz = nest.tensor("dz", (m, n), dtype)
+    x = nest.tensor("x", (m, k), dtype)
+    dw = nest.tensor("dw", (n, k), dtype)
+    for rows, row_guard in row_cases:
+        for cols, col_guard in col_cases:
+            spec = tpp.make_brgemm(rows, cols, 1, lda=n, ldb=k, ldc=k, dtype_a=dtype,
+                                   dtype_b=dtype, dtype_c=dtype, trans_a=True)
+            nest.call(spec, dz[0, a * blocked.ROWS], x[0, b * blocked.COLS],
+                      dw[a * blocked.ROWS, b * blocked.COLS], count=m, stride_a=n,
+                      stride_b=k, when=row_guard(a) + col_guard(b))
+    return nest.compile()
+
+
+also_clear(_weight_grad_nest.cache_clear)   # tpp.clear_caches() empties it too
+
+
+def weight_grad(dz, x):
+    """dz.T @ x (N, K) for dz (M, N) and x (M, K) of one dtype (C-contiguous), any M."""
+    (m, n), k = dz.shape, x.shape[1]
+    dt = _host.dtype_of(x, "x")
+    dw = _host.empty((n, k), dt, dz)
+    threads = 1 if 2.0 * m * n * k < _SERIAL_FLOPS else None
+    _weight_grad_nest(n, k, dt)(dz, x, dw, threads=threads)
+    return dw

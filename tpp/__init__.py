@@ -17,7 +17,7 @@ from .brgemm_kernel import BrgemmKernel
 from .brgemm_spec import BrgemmSpec, make_brgemm
 from .kernel import Kernel
 from .loop_spec import Loop
-from .loops import LoopNest
+from .loops import LoopNest, size
 from .optable import BINARY_OPS, UNARY_OPS
 from .spec import BinarySpec, UnarySpec, make_binary, make_unary
 
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "BrgemmKernel",
            "UnarySpec", "BinarySpec", "BrgemmSpec", "make_brgemm", "TPPError", "SpecError",
            "ArgumentError", "UnsupportedError", "CompileError",
-           "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest",
+           "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest", "size",
            "get_num_threads", "set_num_threads", "clear_caches", "cache_info"]
 
 

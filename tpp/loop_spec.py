@@ -10,11 +10,18 @@ parent's block (and never passing `stop`). The body sees each loop's innermost v
 The body is a sequence of calls to TPP kernels. Each operand address is a tensor plus an offset
 (in elements) built from the loop values with +, -, * by ints and // by positive ints (Python's
 floor division); each call may be guarded by comparisons of such expressions (`when=`, joined
-with & or given as a tuple: all must hold). Everything is fixed when the spec is built, so it
-is hashable, is the cache key, and is checked once, in exact integers: every address every call
-can touch must lie inside its tensor, and every value the generated int64 code compares or
-divides must be an int64, or the spec is rejected with a SpecError (no nest can write outside
-the arrays it is given). Tensors and loop values are bounded by checks.ADDRESS_LIMIT.
+with & or given as a tuple: all must hold).
+
+Sizes: a nest may declare named sizes (`LoopNest.size("M")`), fixed for one call and given at
+run time. A loop's stop, a tensor's dimensions, a BRGEMM count and any address or condition may
+use them (affine, like the loop values; a loop's start, step and blocks are ints). A nest
+without sizes is checked once, when its spec is built, in exact integers: every address every
+call can touch must lie inside its tensor, and every value the generated int64 code compares or
+divides must be an int64, or the spec is a SpecError. A nest with sizes gets the same complete
+check at call time, for the sizes of that call (`tpp.loop_bounds.check`, an ArgumentError):
+no nest can read or write outside the arrays it is given. Tensors and loop values are bounded
+by checks.ADDRESS_LIMIT; a loop whose stop (a size expression) is at or before its start runs
+no iteration, and then the body never runs.
 
 Parallel letters must be adjacent in the order string: that band of levels is collapsed into
 one iteration space split statically across the threads (thread t gets a contiguous range).
@@ -28,258 +35,61 @@ from dataclasses import dataclass
 from . import checks
 from . import dtypes as _dt
 from .errors import SpecError, UnsupportedError
+from .loop_expr import (SIZE, Affine, All, Cond, Expr, Floor, affine, conditions,  # noqa: F401
+                        is_size_term, size_symbol)
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
-# ---------------------------------------------------------------- affine expressions
-def _term_order(var) -> tuple:
-    """Sort key of a term's variable: loop letters first, then floor terms by their text."""
-    return (0, var) if isinstance(var, str) else (1, var.key())
+def _size_expr(value, what: str):
+    """value as an int, or as an Affine of sizes only (an Expr using sizes), else SpecError."""
+    if isinstance(value, Affine):
+        value = Expr(value)
+    if isinstance(value, Expr):
+        a = value.affine
+        if not a.terms:
+            return a.const
+        if not a.fixed:
+            raise SpecError(f"{what} is an int or an expression of the nest's sizes "
+                            f"(nest.size), not of loop variables: got {a.text()}")
+        return a
+    return checks.integer(value, what)
 
 
-@dataclass(frozen=True)
-class Affine:
-    """const + sum(coeff * var), as stored in a spec (hashable, compared by value). A var is a
-    loop letter or a Floor (the floor division of an Affine by a positive int)."""
-    terms: tuple = ()     # ((var, coeff), ...) sorted by _term_order, no zero coefficients
-    const: int = 0
-
-    def bounds(self, ranges: dict) -> tuple:
-        """(min, max) over loop values in ranges {letter: (lo, hi)} (inclusive), in exact ints.
-        Each term is bounded on its own, so the result always contains every value the
-        expression takes; it is tight unless a letter appears in more than one term."""
-        lo = hi = self.const
-        for var, c in self.terms:
-            a, b = ranges[var] if isinstance(var, str) else var.bounds(ranges)
-            lo += min(c * a, c * b)
-            hi += max(c * a, c * b)
-        return lo, hi
-
-    def floors(self):
-        """The Floor terms of the expression, nested ones included (innermost last)."""
-        for var, _ in self.terms:
-            if not isinstance(var, str):
-                yield var
-                yield from var.inner.floors()
-
-    def constants(self):
-        """Every integer constant the generated code emits for the expression."""
-        yield self.const
-        for var, c in self.terms:
-            yield c
-            if not isinstance(var, str):
-                yield var.divisor
-                yield from var.inner.constants()
-
-    def key(self) -> str:
-        terms = [f"{c}*{v if isinstance(v, str) else v.key()}" for v, c in self.terms]
-        return "+".join(terms + [str(self.const)])
+def evaluate(value, env: dict) -> int:
+    """An int, or an Affine of sizes at env {'$M': (v, v)}, as an exact int."""
+    return value if isinstance(value, int) else value.value(env)
 
 
-@dataclass(frozen=True)
-class Floor:
-    """floor(inner / divisor) with divisor >= 1 (Python's //, rounding toward minus infinity)."""
-    inner: Affine
-    divisor: int
-
-    def bounds(self, ranges: dict) -> tuple:
-        """(min, max) over the ranges: floor division is monotone, so it maps the inner
-        bounds exactly."""
-        lo, hi = self.inner.bounds(ranges)
-        return lo // self.divisor, hi // self.divisor
-
-    def key(self) -> str:
-        return f"({self.inner.key()})//{self.divisor}"
-
-
-def _int(value, what: str) -> int:
-    """value (any integral value) as a Python int, else a SpecError '<what>: expected an int'."""
-    n = checks.as_int(value)
-    if n is None:
-        raise SpecError(f"{what}: expected an int, got {value!r}")
-    return n
-
-
-def _unsupported(symbol: str):
-    """An operator method that rejects `symbol` on loop expressions, naming what works."""
-    def reject(self, other):
-        raise SpecError(f"loop expressions support +, -, * by an int and // by a positive int; "
-                        f"{symbol} is not supported")
-    return reject
-
-
-class Expr:
-    """What users write: loop variables combined with +, - and * by ints, and floor-divided
-    (//) by positive ints. Comparisons (<, <=, ==, !=, >, >=) give the conditions `when=`
-    takes; & joins conditions (all must hold)."""
-    __slots__ = ("affine",)
-
-    def __init__(self, affine: Affine):
-        self.affine = affine
-
-    @staticmethod
-    def of(value) -> "Expr":
-        if isinstance(value, Expr):
-            return value
-        return Expr(Affine((), _int(value, "a loop expression is built from loop variables "
-                                           "and ints")))
-
-    def _combine(self, other, sign):
-        other = Expr.of(other).affine
-        coeffs = dict(self.affine.terms)
-        for var, c in other.terms:
-            coeffs[var] = coeffs.get(var, 0) + sign * c
-        terms = tuple(sorted(((v, c) for v, c in coeffs.items() if c),
-                             key=lambda t: _term_order(t[0])))
-        return Expr(Affine(terms, self.affine.const + sign * other.const))
-
-    def __add__(self, other):
-        return self._combine(other, 1)
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        return self._combine(other, -1)
-
-    def __rsub__(self, other):
-        return Expr.of(other)._combine(self, -1)
-
-    def __neg__(self):
-        return self * -1
-
-    def __mul__(self, factor):
-        factor = _int(factor, "loop expressions are affine: multiply only by ints")
-        a = self.affine
-        if factor == 0:
-            return Expr(Affine())
-        return Expr(Affine(tuple((v, c * factor) for v, c in a.terms), a.const * factor))
-
-    __rmul__ = __mul__
-
-    def __floordiv__(self, divisor):
-        """floor(self / divisor) for a positive int divisor, as Python's // computes it."""
-        d = checks.as_int(divisor)
-        if d is None or d < 1:
-            raise SpecError(f"a loop expression is floor-divided (//) only by a positive int, "
-                            f"got {divisor!r}")
-        a = self.affine
-        if all(c % d == 0 for _, c in a.terms):     # exact: only the constant is floored
-            return Expr(Affine(tuple((v, c // d) for v, c in a.terms), a.const // d))
-        return Expr(Affine(((Floor(a, d), 1),), 0))
-
-    __rfloordiv__ = _unsupported("// by a loop expression")
-    __truediv__ = __rtruediv__ = _unsupported("/ (use // for floor division)")
-    __mod__ = __rmod__ = _unsupported("%")
-
-    def _cond(self, op, other):
-        return Cond((self - Expr.of(other)).affine, op)
-
-    def __lt__(self, other):
-        return self._cond("<", other)
-
-    def __le__(self, other):
-        return self._cond("<=", other)
-
-    def __gt__(self, other):
-        return self._cond(">", other)
-
-    def __ge__(self, other):
-        return self._cond(">=", other)
-
-    def __eq__(self, other):     # type: ignore[override]
-        return self._cond("==", other)
-
-    def __ne__(self, other):     # type: ignore[override]
-        return self._cond("!=", other)
-
-    __hash__ = None
-
-    def __repr__(self):
-        return f"Expr({self.affine.key()})"
-
-
-def affine(value) -> Affine:
-    return Expr.of(value).affine
-
-
-class _Condition:
-    """A comparison of loop expressions, or several joined with & (all must hold)."""
-
-    conds: tuple    # the comparisons, each a Cond
-
-    def __and__(self, other):
-        if not isinstance(other, _Condition):
-            raise SpecError(f"& joins loop conditions such as (a == 0) & (b == 0), got {other!r}")
-        return All(self.conds + other.conds)
-
-    __rand__ = __and__
-
-    def __or__(self, other):
-        raise SpecError("loop conditions join only with & (all must hold); | is not supported: "
-                        "make one call per alternative")
-
-    __ror__ = __or__
-
-    def __invert__(self):
-        raise SpecError("~ is not supported on loop conditions: write the opposite comparison")
-
-    def __bool__(self):
-        raise SpecError("a loop condition has no truth value in Python; pass it as when= (join "
-                        "conditions with &, not `and`)")
-
-
-@dataclass(frozen=True)
-class Cond(_Condition):
-    """affine OP 0, with OP one of < <= == != > >=."""
-    expr: Affine
-    op: str
-
-    @property
-    def conds(self) -> tuple:
-        return (self,)
-
-    def key(self) -> str:
-        return f"{self.expr.key()}{self.op}0"
-
-
-@dataclass(frozen=True)
-class All(_Condition):
-    """The conjunction c1 & c2 & ...: holds when every Cond holds."""
-    conds: tuple
-
-
-def conditions(when) -> tuple:
-    """The Conds of a when= value: one condition, a conjunction (c1 & c2), or a tuple/list of
-    them; all must hold."""
-    items = when if isinstance(when, (tuple, list)) else (when,)
-    if not all(isinstance(w, _Condition) for w in items):
-        raise SpecError(f"when= takes loop conditions such as (k == 0), joined with & or in a "
-                        f"tuple, got {when!r}")
-    return tuple(c for w in items for c in w.conds)
+def text(value) -> str:
+    return str(value) if isinstance(value, int) else value.text()
 
 
 # ---------------------------------------------------------------- loops
 @dataclass(frozen=True)
 class Loop:
     """range(start, stop, step), blocked at `blocks`. Every number is any integral value,
-    stored as a Python int; values, steps and blocks lie within +-ADDRESS_LIMIT (a loop value
-    indexes memory, and the generated int64 loop counters then never overflow)."""
+    stored as a Python int; stop may also be an expression of the nest's sizes (then it is
+    known at call time, and the range may be empty). Values, steps and blocks lie within
+    +-ADDRESS_LIMIT (a loop value indexes memory, and the generated int64 loop counters then
+    never overflow): checked here for numbers, at call time for size expressions."""
     start: int
-    stop: int
+    stop: object        # int, or an Affine of sizes
     step: int = 1
     blocks: tuple = ()
 
     def __post_init__(self):
-        for name in ("start", "stop", "step"):
+        for name in ("start", "step"):
             object.__setattr__(self, name, checks.integer(getattr(self, name), f"loop {name}"))
+        object.__setattr__(self, "stop", _size_expr(self.stop, "loop stop"))
         object.__setattr__(self, "blocks", _block_sizes(self.blocks))
         if self.step < 1:
             raise SpecError(f"loop step must be >= 1, got {self.step}")
-        if self.stop <= self.start:
+        if not self.symbolic and self.stop <= self.start:
             raise SpecError(f"loop range [{self.start}, {self.stop}) is empty")
         limit = checks.ADDRESS_LIMIT
-        if max(-self.start, self.stop, self.step, *self.blocks) > limit:
+        stop = 0 if self.symbolic else self.stop
+        if max(-self.start, self.start, stop, self.step, *self.blocks) > limit:
             raise SpecError(f"{self}: loop values, steps and blocks must lie within "
                             f"+-{limit} (2**47, the bytes a process can address)")
         sizes = self.blocks + (self.step,)
@@ -292,27 +102,39 @@ class Loop:
     def of(value) -> "Loop":
         if isinstance(value, Loop):
             return value
-        if checks.as_int(value) is not None:
+        if checks.as_int(value) is not None or isinstance(value, Expr):
             return Loop(0, value)
         if isinstance(value, tuple) and 2 <= len(value) <= 4:
             return Loop(*value)
-        raise SpecError(f"a loop is Loop(start, stop, step=1, blocks=()), an int (range(n)) or "
-                        f"a tuple (start, stop[, step[, blocks]]); got {value!r}")
+        raise SpecError(f"a loop is Loop(start, stop, step=1, blocks=()), an int or a size "
+                        f"expression (range(n)) or a tuple (start, stop[, step[, blocks]]); "
+                        f"got {value!r}")
 
     @property
-    def last(self) -> int:
-        """The largest value the loop takes."""
-        return self.start + (self.stop - 1 - self.start) // self.step * self.step
+    def symbolic(self) -> bool:
+        """Whether the stop is a size expression (known at call time)."""
+        return not isinstance(self.stop, int)
+
+    def stop_at(self, env: dict) -> int:
+        return evaluate(self.stop, env)
+
+    def last(self, env: dict) -> int:
+        """The largest value the loop takes for the sizes in env (start > last: none)."""
+        return self.start + (self.stop_at(env) - 1 - self.start) // self.step * self.step
 
     def level_step(self, level: int) -> int:
         sizes = tuple(self.blocks) + (self.step,)
         return sizes[level]
 
-    def trips(self, level: int) -> int:
+    def trips(self, level: int, env: dict) -> int:
         """Iterations of one pass over occurrence `level`: its parent's block (the whole range
-        at level 0) in steps of level_step(level); the last may pass `stop`."""
-        span = self.stop - self.start if level == 0 else self.level_step(level - 1)
-        return -(-span // self.level_step(level))
+        at level 0, none when empty) in steps of level_step(level); the last may pass `stop`."""
+        span = self.stop_at(env) - self.start if level == 0 else self.level_step(level - 1)
+        return max(0, -(-span // self.level_step(level)))
+
+    def key(self) -> str:
+        return f"{self.start}:{text(self.stop) if self.symbolic else self.stop}:{self.step}:" \
+               f"{self.blocks}"
 
 
 def _block_sizes(blocks) -> tuple:
@@ -361,34 +183,62 @@ def parse_order(order: str, loops: tuple) -> tuple:
 # ---------------------------------------------------------------- tensors and calls
 @dataclass(frozen=True)
 class Tensor:
-    """A named array the nest is given at call time: C-contiguous, this shape and dtype."""
+    """A named array the nest is given at call time: C-contiguous, this shape and dtype. A
+    dimension is an int >= 1 or an expression of the nest's sizes (>= 0 at call time)."""
     name: str
     shape: tuple
     dtype: _dt.DType
 
     def __post_init__(self):
-        """The shape as Python ints >= 1; the tensor must fit in the address space."""
-        shape = checks.positive_ints(self.shape)
-        if not shape:
-            raise SpecError(f"tensor {self.name!r}: shape must be a tuple of positive ints, got "
-                            f"{self.shape!r}")
-        object.__setattr__(self, "shape", shape)
-        checks.addressable(self.size * self.dtype.itemsize,
-                           f"tensor {self.name!r} of shape {shape} ({self.dtype})")
+        """The shape as Python ints >= 1 and size Affines; a fixed tensor must fit in the
+        address space (one with sizes is given as an array, which does)."""
+        try:
+            dims = tuple(_size_expr(d, "dim") for d in self.shape)
+        except (SpecError, TypeError):
+            dims = None
+        if not dims or any(isinstance(d, int) and d < 1 for d in dims):
+            raise SpecError(f"tensor {self.name!r}: shape must be a tuple of positive ints or "
+                            f"size expressions, got {self.shape!r}")
+        object.__setattr__(self, "shape", dims)
+        if not self.symbolic:
+            checks.addressable(self.size * self.dtype.itemsize,
+                               f"tensor {self.name!r} of shape {dims} ({self.dtype})")
+
+    @property
+    def symbolic(self) -> bool:
+        return any(not isinstance(d, int) for d in self.shape)
+
+    def shape_at(self, env: dict) -> tuple:
+        return tuple(evaluate(d, env) for d in self.shape)
 
     @property
     def size(self) -> int:
+        """Elements of a tensor without sizes."""
+        return self.elements({})
+
+    def elements(self, env: dict) -> int:
         n = 1
-        for d in self.shape:
+        for d in self.shape_at(env):
             n *= d
         return n
 
     def strides(self) -> tuple:
-        out, acc = [], 1
-        for d in reversed(self.shape):
+        """Element strides per dimension, as Exprs (a stride may use a size); SpecError when
+        one would be a product of sizes (not affine)."""
+        out, acc = [], Expr.of(1)
+        for k in range(len(self.shape) - 1, -1, -1):
             out.append(acc)
-            acc *= d
+            if k:
+                d = self.shape[k]
+                acc = acc * (Expr(d) if isinstance(d, Affine) else d)
         return tuple(reversed(out))
+
+    def shape_text(self) -> str:
+        """The declared shape as written: (M, 768)."""
+        return f"({', '.join(map(text, self.shape))}{',' if len(self.shape) == 1 else ''})"
+
+    def key(self) -> str:
+        return f"{self.name}{self.shape_text()}{self.dtype}"
 
 
 @dataclass(frozen=True)
@@ -411,28 +261,31 @@ class LoopNestSpec:
     order: str
     tensors: tuple
     calls: tuple
+    sizes: tuple = ()    # the size names, in declaration order (the table's size slots)
     family = "loopnest"
     op = "loopnest"
     kind = "loopnest"
     scalars = ()
 
     def __post_init__(self):
+        from . import loop_bounds
         object.__setattr__(self, "levels", parse_order(self.order, self.loops))
-        _check_band(self)
         for call in self.calls:
-            _check_int64(self, call)
-            _check_bounds(self, call)
+            loop_bounds.check_constants(call)
+        if not self.sizes:
+            loop_bounds.check(self, {}, SpecError)
 
     def key(self) -> str:
-        loops = ";".join(f"{lp.start}:{lp.stop}:{lp.step}:{lp.blocks}" for lp in self.loops)
-        tensors = ";".join(f"{t.name}{t.shape}{t.dtype}" for t in self.tensors)
+        loops = ";".join(lp.key() for lp in self.loops)
+        tensors = ";".join(t.key() for t in self.tensors)
         calls = []
         for c in self.calls:
             args = ",".join("0" if a is None else
                             f"T{a.tensor}[{a.offset.key()}]" if isinstance(a, Address) else
                             a.key() for a in c.args)
             calls.append(f"{c.spec.key()}({args})if({'&'.join(w.key() for w in c.when)})")
-        return f"loopnest({self.order}|{loops}|{tensors}|{'|'.join(calls)})"
+        sizes = ",".join(self.sizes)
+        return f"loopnest({self.order}|{sizes}|{loops}|{tensors}|{'|'.join(calls)})"
 
     def kernel_specs(self) -> tuple:
         """The distinct kernel specs the body calls, in first-use order (the call table)."""
@@ -445,35 +298,6 @@ class LoopNestSpec:
     @property
     def parallel(self) -> bool:
         return any(lv.parallel for lv in self.levels)
-
-
-# ---------------------------------------------------------------- bounds
-def _value_ranges(spec, when) -> dict:
-    """{letter: (lo, hi)} of the loop values, narrowed by single-variable guards."""
-    ranges = _full_ranges(spec)
-    for cond in when:
-        if len(cond.expr.terms) != 1:
-            continue
-        (var, c), = cond.expr.terms
-        if c not in (1, -1) or not isinstance(var, str):
-            continue
-        lo, hi = ranges[var]
-        # c*v + k OP 0
-        bound = -cond.expr.const * c       # v OP' bound
-        op = cond.op if c == 1 else {"<": ">", "<=": ">=", ">": "<", ">=": "<=",
-                                      "==": "==", "!=": "!="}[cond.op]
-        if op == "<":
-            hi = min(hi, bound - 1)
-        elif op == "<=":
-            hi = min(hi, bound)
-        elif op == ">":
-            lo = max(lo, bound + 1)
-        elif op == ">=":
-            lo = max(lo, bound)
-        elif op == "==":
-            lo, hi = max(lo, bound), min(hi, bound)
-        ranges[var] = (lo, hi)
-    return ranges
 
 
 def operand_extent(op) -> int:
@@ -494,70 +318,3 @@ def raw_operands(spec) -> tuple:
         return tuple(ops) + (None,) * len(spec.scalars)
     by_name = {o.name: o for o in ops}
     return tuple(by_name.get(name) for name in BRGEMM_RAW) + (None,) * len(spec.scalars)
-
-
-def call_extents(spec, args) -> list:
-    """Per raw argument: the elements the call may touch from that address (None: a scalar)."""
-    ext = [None if op is None else operand_extent(op) for op in raw_operands(spec)]
-    if spec.family == "brgemm":      # stride mode: count blocks, arg_a/arg_b elements apart
-        count, arg_a, arg_b = (a.const for a in args[5:8])
-        ext[0] += (count - 1) * arg_a
-        ext[1] += (count - 1) * arg_b
-    return ext
-
-
-def _full_ranges(spec) -> dict:
-    """{letter: (first, last)} of every loop's values, unguarded."""
-    return {LETTERS[i]: (lp.start, lp.last) for i, lp in enumerate(spec.loops)}
-
-
-def _check_band(spec):
-    """SpecError unless the generated code can split the parallel band's iterations over
-    MAX_THREADS threads in int64 (thread t starts at t * total // threads)."""
-    total = 1
-    for lv in spec.levels:
-        if lv.parallel:
-            total *= spec.loops[LETTERS.index(lv.letter)].trips(lv.level)
-    if total * checks.MAX_THREADS > checks.INT64_MAX:
-        raise SpecError(f"order {spec.order!r}: the parallel band has {total} iterations, more "
-                        f"than {checks.INT64_MAX // checks.MAX_THREADS} (int64 / MAX_THREADS)")
-
-
-def _check_int64(spec, call):
-    """SpecError unless the generated int64 code evaluates every expression of the call
-    exactly: each constant is an int64, and every value compared (guards), passed as a scalar
-    or floor-divided lies in int64 over the loop ranges. (An address may wrap around in
-    between: its final value is bounds-checked and wrapping addition is exact modulo 2**64.)"""
-    ranges = _full_ranges(spec)
-    exprs = [(f"condition {c.key()}", c.expr, True) for c in call.when]
-    for k, arg in enumerate(call.args):
-        if isinstance(arg, Address):
-            exprs.append((f"argument {k} (address)", arg.offset, False))
-        elif arg is not None:
-            exprs.append((f"argument {k} (scalar)", arg, True))
-    for what, expr, whole in exprs:
-        if not all(checks.fits_int64(c, c) for c in expr.constants()):
-            raise SpecError(f"call {call.spec.op} {what}: a constant of {expr.key()} does not "
-                            f"fit in int64")
-        for part in ([expr] if whole else []) + [f.inner for f in expr.floors()]:
-            lo, hi = part.bounds(ranges)
-            if not checks.fits_int64(lo, hi):
-                raise SpecError(f"call {call.spec.op} {what}: {part.key()} takes values in "
-                                f"[{lo}, {hi}] over the loop ranges, beyond the int64 the "
-                                f"generated code computes in")
-
-
-def _check_bounds(spec, call):
-    ranges = _value_ranges(spec, call.when)
-    if any(lo > hi for lo, hi in ranges.values()):
-        return   # the guard never holds: the call never runs
-    for k, (arg, ext) in enumerate(zip(call.args, call_extents(call.spec, call.args))):
-        if not isinstance(arg, Address):
-            continue
-        tensor = spec.tensors[arg.tensor]
-        lo, hi = arg.offset.bounds(ranges)
-        if lo < 0 or hi + ext > tensor.size:
-            raise SpecError(
-                f"call {call.spec.op} argument {k}: tensor {tensor.name!r} {tensor.shape} "
-                f"holds {tensor.size} elements, but this call may touch elements "
-                f"[{lo}, {hi + ext}) over the loop ranges")

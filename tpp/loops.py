@@ -12,6 +12,12 @@
     gemm = nest.compile()
     gemm(A=a_blocks, B=b_blocks, C=c_blocks)             # or positionally, in declaration order
 
+    M = tpp.size("M")                                    # a size, given at call time
+    rows = tpp.LoopNest("A", a=(M + 63) // 64)           # loop bounds and shapes may use it
+    x, y = rows.tensor("x", (M, 128)), rows.tensor("y", (M, 128))
+    ...
+    rows.compile()(x_any_m, y_any_m)                     # M from the arrays' shapes
+
 Loops are given as keywords named a, b, c, ... in order: `n` (range(n)), `(start, stop)`,
 `(start, stop, step)`, `(start, stop, step, blocks)` or a `Loop`. See tpp.loop_spec for the
 order string (upper case: parallel; a repeated letter: another blocking level) and for what
@@ -19,9 +25,13 @@ the body sees. Loop expressions combine the variables with +, -, * by ints and /
 ints; comparisons of them guard calls (when=(a == 0) & (b < 2)). Indexing a tensor with loop
 expressions gives the address of the element there (fewer indices than dimensions: the start
 of that sub-block). Numbers (loop bounds, shapes, counts, threads=) are any integral values.
-Every address a call can touch is checked against its tensor when the nest is built, and
-every array against its tensor's shape and dtype when the nest is called, so a nest never
-reads or writes outside the arrays it is given.
+Sizes (`tpp.size(name)`) are symbols a nest takes at call time: loop stops, tensor dimensions,
+BRGEMM counts, addresses and conditions may use them. A tensor dimension that is exactly a
+size gives it from the array's shape; other sizes are keywords of the call (nest(x, M=5)).
+Every address a call can touch is checked against its tensor when the nest is built (or, with
+sizes, once per new assignment of sizes when it is called: tpp.loop_bounds), and every array
+against its tensor's shape and dtype when the nest is called, so a nest never reads or writes
+outside the arrays it is given.
 """
 from __future__ import annotations
 
@@ -29,12 +39,36 @@ import math
 
 import numpy as np
 
-from . import arrays, checks
+from . import arrays, checks, loop_bounds
 from . import dtypes as _dt
 from .errors import ArgumentError, SpecError, UnsupportedError
 from .lru import LRU
-from .loop_spec import (LETTERS, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor, affine,
-                        conditions, parse_order, raw_operands)
+from .loop_spec import (LETTERS, SIZE, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
+                        affine, conditions, parse_order, raw_operands, size_symbol)
+
+_RESERVED = ("threads",)     # keywords of a nest's call that no size may take
+
+
+def size(name: str) -> Expr:
+    """The size called `name` (an identifier): a loop expression whose value each call of a
+    nest gives, from an array dimension declared as exactly this size or as a keyword."""
+    if not isinstance(name, str) or not name.isidentifier() or name in _RESERVED:
+        raise SpecError(f"a size name is an identifier other than {', '.join(_RESERVED)}, "
+                        f"got {name!r}")
+    return size_symbol(name)
+
+
+def _sizes_in(affines) -> set:
+    """The size names the Affines use (inside floor terms too)."""
+    names = set()
+    for a in affines:
+        for var, _ in a.terms:
+            if isinstance(var, str):
+                if var.startswith(SIZE):
+                    names.add(var[len(SIZE):])
+            else:
+                names |= _sizes_in([var.inner])
+    return names
 
 
 class TensorRef:
@@ -78,7 +112,8 @@ class LoopNest:
 
     def tensor(self, name: str, shape, dtype="f32", **unknown) -> TensorRef:
         """Declare a C-contiguous tensor the nest is given at call time: shape is a sequence
-        of integral values >= 1, and the tensor must fit in the address space."""
+        of integral values >= 1 or size expressions (tpp.size), and a tensor without sizes
+        must fit in the address space."""
         checks.reject_unknown("LoopNest.tensor", unknown, ("dtype",))
         if not isinstance(name, str) or not name.isidentifier():
             raise SpecError(f"tensor name must be an identifier, got {name!r}")
@@ -131,9 +166,13 @@ class LoopNest:
             raise SpecError(f"brgemm takes a, b, c addresses, got {len(operands)}")
         counts = []
         for name, v in (("count", count), ("stride_a", stride_a), ("stride_b", stride_b)):
+            if isinstance(v, Expr) and v.affine.terms and v.affine.fixed:
+                counts.append(v)     # a size expression: checked for each call's sizes
+                continue
             n = checks.as_int(v)
             if n is None or not 0 <= n <= checks.INT64_MAX:
-                raise SpecError(f"brgemm {name} must be an int in [0, 2**63), got {v!r}")
+                raise SpecError(f"brgemm {name} must be an int in [0, 2**63) or an expression "
+                                f"of sizes, got {v!r}")
             counts.append(n)
         if (bias is None) != (not spec.bias) or (mask is None) != (not spec.bitmask):
             raise SpecError("brgemm: pass bias= exactly when the spec has a bias, and mask= "
@@ -143,7 +182,19 @@ class LoopNest:
     def spec(self) -> LoopNestSpec:
         if not self._calls:
             raise SpecError("the nest's body calls nothing")
-        return LoopNestSpec(self.loops, self.order, tuple(self._tensors), tuple(self._calls))
+        used = [lp.stop for lp in self.loops if lp.symbolic]
+        used += [d for t in self._tensors for d in t.shape if isinstance(d, Affine)]
+        for call in self._calls:
+            used += [c.expr for c in call.when]
+            used += [a.offset if isinstance(a, Address) else a for a in call.args
+                     if a is not None]
+        sizes = tuple(sorted(_sizes_in(used)))
+        clash = set(sizes) & {t.name for t in self._tensors}
+        if clash:
+            raise SpecError(f"{', '.join(sorted(clash))} names both a size and a tensor; the "
+                            f"call takes both as keywords")
+        return LoopNestSpec(self.loops, self.order, tuple(self._tensors), tuple(self._calls),
+                            sizes)
 
     def compile(self) -> "CompiledNest":
         return compiled(self.spec())
@@ -161,7 +212,10 @@ def compiled(spec: LoopNestSpec) -> "CompiledNest":
 
 
 class CompiledNest:
-    """A compiled loop nest: call it with one array per declared tensor."""
+    """A compiled loop nest: call it with one array per declared tensor, and the sizes the
+    arrays do not give as keywords (nest(x, y), nest(x=x, y=y), nest(x, y, M=5))."""
+
+    _MEMO = 1024     # shape signatures (and size assignments) remembered as checked
 
     def __init__(self, spec: LoopNestSpec):
         import tpp
@@ -169,6 +223,7 @@ class CompiledNest:
         self.spec = spec
         self._threads = threads
         self.names = tuple(t.name for t in spec.tensors)
+        self.sizes = spec.sizes
         written = set()
         for call in spec.calls:
             for arg, op in zip(call.args, raw_operands(call.spec)):
@@ -176,8 +231,7 @@ class CompiledNest:
                     written.add(arg.tensor)
         self._written = frozenset(written)
         self._aliasable = _aliasable_pairs(spec, self._written)
-        self._nbytes = tuple(math.prod(t.shape) * t.dtype.itemsize for t in spec.tensors)
-        slots = loopnest.layout(spec)
+        slots = self._slots = loopnest.layout(spec)
         table = np.zeros(slots["size"], np.int64)
         for k, kspec in enumerate(spec.kernel_specs()):
             table[slots["kernels"] + k] = int(arrays.ffi.cast("intptr_t", tpp.kernel(kspec).raw))
@@ -187,43 +241,113 @@ class CompiledNest:
         self._template = table
         self._has_runtime = runtime is not None
         self._entry = arrays.ffi.cast("void(*)(void **)", backend.compile(spec).address)
+        # sizes a tensor dimension gives: (tensor, dim, size name) for each dim that is exactly
+        # one size; the others must come as keywords
+        self._binders = tuple((k, d, dim.terms[0][0][1:]) for k, t in enumerate(spec.tensors)
+                              for d, dim in enumerate(t.shape)
+                              if isinstance(dim, Affine) and not dim.const
+                              and len(dim.terms) == 1 and dim.terms[0][1] == 1
+                              and isinstance(dim.terms[0][0], str))
+        self._inferable = {name for _, _, name in self._binders} == set(self.sizes)
         # the common call, checked in a few Python operations: numpy arrays of exactly the
-        # declared dtype and shape, C-contiguous, writable where written
-        self._plain = tuple((t.dtype.numpy, t.shape, k in written)
-                            for k, t in enumerate(spec.tensors))
+        # declared dtype, C-contiguous, writable where written, of a shape signature already
+        # validated by `bind` (with the sizes it gives, and the arrays' byte sizes)
+        self._plain = tuple((t.dtype.numpy, k in written) for k, t in enumerate(spec.tensors))
         self._position = {name: k for k, name in enumerate(self.names)}
         self._tail_pointers = [arrays.ffi.cast("void *", int(v))
-                               for v in table[1 + len(spec.tensors):]]
+                               for v in table[1 + len(spec.tensors):slots["sizes"]]]
+        self._signatures: dict = {}     # tuple of array shapes -> ([size pointers], nbytes)
+        self._checked: set = set()      # size tuples that passed loop_bounds.check
+        if not spec.sizes:
+            self._remember(tuple(t.shape for t in spec.tensors), (),
+                           tuple(t.size * t.dtype.itemsize for t in spec.tensors))
 
     def __repr__(self):
         return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
 
     def bind(self, *args, threads=None, **named) -> np.ndarray:
-        """The call table for these arrays (validated), for `run`; threads= (any integral
-        value in 1..MAX_THREADS) overrides tpp.get_num_threads() for this call."""
+        """The call table for these arrays and sizes (validated), for `run`; threads= (any
+        integral value in 1..MAX_THREADS) overrides tpp.get_num_threads() for this call."""
         if len(args) > len(self.names):
             raise ArgumentError(f"the nest takes {len(self.names)} arrays "
                                 f"({', '.join(self.names)}), got {len(args)}")
-        given = dict(zip(self.names, args))
-        for name, arr in named.items():
+        given, explicit = dict(zip(self.names, args)), {}
+        for name, value in named.items():
+            if name in self.sizes:
+                explicit[name] = value
+                continue
             if name not in self.names:
+                sizes = f"; sizes {', '.join(self.sizes)}" if self.sizes else ""
                 raise ArgumentError(f"the nest has no tensor {name!r} (it has "
-                                    f"{', '.join(self.names)})")
+                                    f"{', '.join(self.names)}{sizes})")
             if name in given:
                 raise ArgumentError(f"tensor {name!r} given twice")
-            given[name] = arr
-        table = self._template.copy()
+            given[name] = value
+        found = []
         for k, tensor in enumerate(self.spec.tensors):
             if tensor.name not in given:
                 raise ArgumentError(f"missing array for tensor {tensor.name!r}")
-            table[1 + k] = _check(tensor, given[tensor.name], k in self._written)
-        self._check_overlap([int(v) for v in table[1:1 + len(self.names)]])
+            found.append(_check(tensor, given[tensor.name], k in self._written))
+        shapes = tuple(shape for _, shape in found)
+        values = self._size_values(shapes, explicit)
+        table = self._template.copy()
+        table[1:1 + len(found)] = [address for address, _ in found]
+        table[self._slots["sizes"]:] = values
+        nbytes = tuple(math.prod(shape) * t.dtype.itemsize
+                       for shape, t in zip(shapes, self.spec.tensors))
+        self._check_overlap([address for address, _ in found], nbytes)
+        if self._inferable and not explicit:
+            self._remember(shapes, values, nbytes)
         if threads is not None:
             threads = checks.thread_count(threads, "threads")
         if not self._has_runtime:
             threads = 1
         table[0] = self._threads.num_threads() if threads is None else threads
         return table
+
+    def _size_values(self, shapes, explicit) -> tuple:
+        """The sizes of a call (in spec.sizes order) from the arrays' shapes and the explicit
+        keywords, after checking that they agree, that every shape is what the sizes make
+        it, and that the nest stays in bounds for them (loop_bounds.check, once per sizes)."""
+        values, source = {}, {}
+        for name, value in explicit.items():
+            values[name] = checks.integer(value, f"size {name}", minimum=0,
+                                          maximum=checks.ADDRESS_LIMIT, error=ArgumentError)
+            source[name] = f"{name}={values[name]}"
+        for k, d, name in self._binders:
+            value, tensor = shapes[k][d], self.names[k]
+            if values.setdefault(name, value) != value:
+                raise ArgumentError(f"size {name}: {tensor} has {value} in dimension {d}, but "
+                                    f"{source[name]} (conflicting sizes)")
+            source.setdefault(name, f"{tensor} has {value} in dimension {d}")
+        for name in self.sizes:
+            if name not in values:
+                raise ArgumentError(f"size {name} is not given: pass {name}= (no tensor "
+                                    f"dimension is exactly {name})")
+        env = {"$" + name: (v, v) for name, v in values.items()}
+        where = ", ".join(f"{name}={values[name]}" for name in self.sizes)
+        for tensor, shape in zip(self.spec.tensors, shapes):
+            want = tensor.shape_at(env)
+            if any(d < 0 for d in want):
+                raise ArgumentError(f"{tensor.name}: shape {tensor.key()} is {want} with "
+                                    f"{where}: a dimension is negative")
+            if want != shape:
+                note = f" (with {where})" if tensor.symbolic else ""
+                raise ArgumentError(f"{tensor.name}: expected shape {want}, got {shape}{note}")
+        key = tuple(values[name] for name in self.sizes)
+        if key not in self._checked:
+            loop_bounds.check(self.spec, env, ArgumentError)
+            if len(self._checked) >= self._MEMO:
+                self._checked.clear()
+            self._checked.add(key)
+        return key
+
+    def _remember(self, shapes, values, nbytes):
+        """Let the fast path take arrays of these shapes (validated with these sizes)."""
+        if len(self._signatures) >= self._MEMO:
+            self._signatures.clear()
+        cast = arrays.ffi.cast
+        self._signatures[shapes] = ([cast("void *", v) for v in values], nbytes)
 
     def __call__(self, *args, threads=None, **named):
         """Run the nest on these arrays (numpy or torch CPU, one per declared tensor)."""
@@ -233,8 +357,9 @@ class CompiledNest:
         self.run(table)
 
     def _fast_table(self, args, named, threads):
-        """The call table for plain numpy arrays, or None: then `bind` checks and explains."""
-        given = list(args)
+        """The call table (a cffi array) for plain numpy arrays of a shape signature `bind`
+        validated before, or None: then `bind` checks and explains."""
+        given = args
         if named:
             if args or len(named) != len(self._plain):
                 return None
@@ -251,24 +376,31 @@ class CompiledNest:
         elif (not self._has_runtime or type(threads) is not int
               or not 1 <= threads <= checks.MAX_THREADS):
             return None
-        from_buffer, ndarray = arrays.ffi.from_buffer, np.ndarray
-        buffers = []          # keeps each buffer object alive until the call returns
-        for arr, (dt, shape, written) in zip(given, self._plain):
-            if type(arr) is not ndarray or arr.dtype != dt or arr.shape != shape:
+        ffi, ndarray = arrays.ffi, np.ndarray
+        from_buffer = ffi.from_buffer
+        buffers, shapes = [], []    # the arrays stay alive in the caller's arguments
+        for arr, (dt, written) in zip(given, self._plain):
+            if type(arr) is not ndarray or arr.dtype != dt:
                 return None
             try:      # raises BufferError unless C-contiguous (and writable if written)
                 buffers.append(from_buffer(arr, require_writable=written))
             except (BufferError, TypeError, ValueError):
                 return None
+            shapes.append(arr.shape)
+        known = self._signatures.get(tuple(shapes))
+        if known is None:
+            return None
+        sizes, nbytes = known
+        table = ffi.new("void *[]", [_thread_pointer(threads)] + buffers + self._tail_pointers
+                        + sizes)
         if self._written and len(buffers) > 1:
-            cast = arrays.ffi.cast
-            self._check_overlap([int(cast("intptr_t", p)) for p in buffers])
-        return [arrays.ffi.cast("void *", threads)] + buffers + self._tail_pointers
+            self._check_overlap(ffi.unpack(ffi.cast("intptr_t *", table) + 1, len(buffers)),
+                                nbytes)
+        return table
 
-    def _check_overlap(self, addresses):
+    def _check_overlap(self, addresses, nbytes):
         """A tensor the nest writes may not share memory with another tensor of the call,
         except as the identical array where the nest allows it (see _aliasable_pairs)."""
-        nbytes = self._nbytes
         for w in self._written:
             lo, hi = addresses[w], addresses[w] + nbytes[w]
             for j, start in enumerate(addresses):
@@ -283,15 +415,27 @@ class CompiledNest:
                     f"both is element-wise at the same offsets)")
 
     def run(self, table):
-        """Run with a table from `bind` (the arrays it was bound to must still be alive)."""
+        """Run with a table from `bind` or `_fast_table` (the arrays it was bound to must
+        still be alive)."""
         if isinstance(table, np.ndarray):
             self._entry(arrays.ffi.cast("void **", table.ctypes.data))
         else:
-            self._entry(arrays.ffi.new("void *[]", table))
+            self._entry(table)
 
     def dump(self, what: str = "asm") -> str:
         from tpp_cpu import backend
         return backend.dump(self.spec, what)
+
+
+_THREAD_POINTERS: dict = {}
+
+
+def _thread_pointer(threads: int):
+    """threads as the table's first slot (a void *), cached per count."""
+    p = _THREAD_POINTERS.get(threads)
+    if p is None:
+        p = _THREAD_POINTERS[threads] = arrays.ffi.cast("void *", threads)
+    return p
 
 
 _IN_PLACE_KINDS = ("map", "map_inv", "compare")
@@ -328,16 +472,20 @@ def _same_blocks(call, w: int, j: int) -> bool:
             and len({op.ld for _, op in slots}) == 1)
 
 
-def _check(tensor: Tensor, arr, writable: bool) -> int:
+def _check(tensor: Tensor, arr, writable: bool) -> tuple:
+    """(address, shape) of an array given for `tensor`, after checking its dtype, rank,
+    C-contiguity and writability (the shape against the sizes: CompiledNest._size_values)."""
     arr = arrays.as_host_array(arr, tensor.name, "a loop nest")
     dt, shape, strides, can_write, given = arrays.geometry(arr, tensor.name)
+    shape = tuple(int(d) for d in shape)
     if dt != tensor.dtype:
         raise ArgumentError(f"{tensor.name}: expected {tensor.dtype}, got {given}")
-    if tuple(shape) != tensor.shape:
-        raise ArgumentError(f"{tensor.name}: expected shape {tensor.shape}, got {tuple(shape)}")
-    if not arrays.contiguous(shape, strides):
+    if len(shape) != len(tensor.shape):
+        raise ArgumentError(f"{tensor.name}: expected shape {tensor.shape_text()}, got "
+                            f"{shape}")
+    if 0 not in shape and not arrays.contiguous(shape, strides):   # empty: any strides
         raise ArgumentError(f"{tensor.name}: expected a C-contiguous array, got strides "
                             f"{tuple(strides)} (elements)")
     if writable and not can_write:
         raise ArgumentError(f"{tensor.name}: the nest writes it, but the array is read-only")
-    return arrays.address(arr)
+    return arrays.address(arr), shape

@@ -6,18 +6,22 @@ The compiled entry is `void f(int64 table)`, the address of an int64 table (see 
     [1 .. 1+T)               tensor base addresses, in spec.tensors order
     [1+T .. 1+T+K)           kernel function addresses, in spec.kernel_specs() order
     [1+T+K .. 1+T+K+4)       GOMP_parallel, omp_get_thread_num, omp_get_num_threads, GOMP_barrier
+    [1+T+K+4 .. +S)          the values of the sizes, in spec.sizes order
 
 Kernel and runtime addresses arrive at call time, so the compiled nest is independent of the
 process it runs in and can live in the disk cache. With a parallel band and more than one
 thread the entry hands `run` to GOMP_parallel; otherwise it runs `run(table, 0, 1)` itself.
-Loop trip counts are compile-time constants; blocked levels stop at their parent's block end
-or the loop's stop, whichever comes first.
+Loop trip counts are compile-time constants, except where a loop's stop is a size expression:
+then it, the addresses and conditions that use sizes, and the parallel band's iteration count
+(hence each thread's share) are computed from the size slots when the nest runs. The kernels
+called keep their compile-time shapes. Blocked levels stop at their parent's block end or the
+loop's stop, whichever comes first.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from tpp.loop_spec import LETTERS, Address
+from tpp.loop_spec import LETTERS, SIZE, Address
 
 from . import irx
 from .irx import I32, I64, PTR
@@ -27,8 +31,9 @@ RUNTIME = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads", "GOMP_b
 
 def layout(spec) -> dict:
     """Slot indices of the table: {'tensors': first, 'kernels': first, 'runtime': first}."""
-    t, k = len(spec.tensors), len(spec.kernel_specs())
-    return {"tensors": 1, "kernels": 1 + t, "runtime": 1 + t + k, "size": 1 + t + k + 4}
+    t, k, s = len(spec.tensors), len(spec.kernel_specs()), len(spec.sizes)
+    return {"tensors": 1, "kernels": 1 + t, "runtime": 1 + t + k, "sizes": 1 + t + k + 4,
+            "size": 1 + t + k + 4 + s}
 
 
 class _Gen:
@@ -52,7 +57,9 @@ class _Gen:
         table, tid, nt = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         self.table, self.tid, self.nt = table, tid, nt
-        self.emit_levels(b, 0, {})
+        sizes = {SIZE + name: self.slot(b, table, self.slots["sizes"] + k)
+                 for k, name in enumerate(self.spec.sizes)}
+        self.emit_levels(b, 0, sizes)
         b.ret_void()
 
     def emit_levels(self, b, index, values):
@@ -66,30 +73,31 @@ class _Gen:
         lv = levels[index]
         loop = self.spec.loops[LETTERS.index(lv.letter)]
         step = loop.level_step(lv.level)
+        stop = self.stop(b, loop, values)
         if lv.level == 0:
-            start, end = irx.i64(loop.start), irx.i64(loop.stop)
+            start, end = irx.i64(loop.start), stop
         else:
             start = values[lv.letter]
             limit = b.add(start, irx.i64(loop.level_step(lv.level - 1)))
-            end = b.select(b.icmp_signed("<", limit, irx.i64(loop.stop)), limit, irx.i64(loop.stop))
+            end = b.select(b.icmp_signed("<", limit, stop), limit, stop)
         with irx.for_range(b, end, step=step, start=start, name=f"{lv.letter}{lv.level}") as v:
             self.emit_levels(b, index + 1, {**values, lv.letter: v})
 
     def emit_band(self, b, values):
         """The parallel levels, collapsed; this thread's contiguous share of the iterations."""
         levels = [self.spec.levels[k] for k in self.band]
-        trips = [self.spec.loops[LETTERS.index(lv.letter)].trips(lv.level) for lv in levels]
-        total = 1
+        trips = [self.trips(b, lv, values) for lv in levels]
+        total = irx.i64(1)
         for t in trips:
-            total *= t
-        lo = b.sdiv(b.mul(self.tid, irx.i64(total)), self.nt)
-        hi = b.sdiv(b.mul(b.add(self.tid, irx.i64(1)), irx.i64(total)), self.nt)
+            total = b.mul(total, t)
+        lo = b.sdiv(b.mul(self.tid, total), self.nt)
+        hi = b.sdiv(b.mul(b.add(self.tid, irx.i64(1)), total), self.nt)
         fn = b.block.function
         with irx.for_range(b, hi, start=lo, name="flat") as flat:
             digits, rest = [], flat
             for t in reversed(trips):
-                digits.append(b.srem(rest, irx.i64(t)))
-                rest = b.sdiv(rest, irx.i64(t))
+                digits.append(b.srem(rest, t))
+                rest = b.sdiv(rest, t)
             digits.reverse()
             inner = dict(values)
             valid = None
@@ -99,7 +107,7 @@ class _Gen:
                 base = irx.i64(loop.start) if lv.level == 0 else inner[lv.letter]
                 inner[lv.letter] = b.add(base, offset, name=f"{lv.letter}{lv.level}")
                 if lv.level > 0:
-                    ok = b.icmp_signed("<", inner[lv.letter], irx.i64(loop.stop))
+                    ok = b.icmp_signed("<", inner[lv.letter], self.stop(b, loop, inner))
                     valid = ok if valid is None else b.and_(valid, ok)
             if valid is not None:
                 run = fn.append_basic_block("band.run")
@@ -116,6 +124,21 @@ class _Gen:
             with b.if_then(many):
                 b.call(self.runtime_fn(b, self.table, "GOMP_barrier",
                                        ir.FunctionType(ir.VoidType(), [])), [])
+
+    def stop(self, b, loop, values):
+        """A loop's stop: a constant, or computed from the sizes."""
+        return irx.i64(loop.stop) if not loop.symbolic else self.affine(b, loop.stop, values)
+
+    def trips(self, b, lv, values):
+        """Iterations of one pass over a band level (loop_spec.Loop.trips): a constant, or
+        max(0, ceil((stop - start) / step)) from the sizes."""
+        loop = self.spec.loops[LETTERS.index(lv.letter)]
+        if lv.level > 0 or not loop.symbolic:
+            return irx.i64(loop.trips(lv.level, {}))
+        step = irx.i64(loop.level_step(0))
+        span = b.sub(self.stop(b, loop, values), irx.i64(loop.start))
+        count = b.sdiv(b.add(span, b.sub(step, irx.i64(1))), step)
+        return b.select(b.icmp_signed(">", span, irx.i64(0)), count, irx.i64(0))
 
     # ------------------------------------------------------------ the body
     def affine(self, b, expr, values):

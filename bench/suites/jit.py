@@ -13,6 +13,12 @@ Cases (times in ms; each op's cases are named "<case>/<op>"):
                       LLVM is not imported); one `python -c` process per repetition.
   cache_load_next/<op>  a second cached kernel in that process: the load alone.
   import_tpp          `import tpp` in a new process (after numpy is imported).
+  linear_layer/fwd    the first forward of a new ops.torch.Linear(768, 768) on a (4, 50, 768)
+                      input, with an empty cache (LLVM initialised): everything its nests
+                      compile (packing, GEMM, remainder kernels). extra: kernels compiled.
+  linear_layer/fwd_bwd  that forward plus the first backward (dx and dw nests).
+  linear_new_m/fwd, linear_new_m/fwd_bwd  the same layer at a new M (4, 77, 768) afterwards:
+                      no compile (extra: kernels compiled, expected 0), only the call.
 
 Durations use the run's clock (--clock: this thread's CPU time by default, or elapsed time).
 All of it runs in subprocesses with a private temporary TPP_CACHE_DIR, removed afterwards; the
@@ -36,6 +42,7 @@ OPS = ("relu", "gelu", "brgemm")   # brgemm: f32, (m, 64) x (64, n), stride batc
 N = 64
 LOAD_M = 64           # the spec the load processes find in the cache
 LOAD_NEXT_M = 63      # the second one they load
+LINEAR_N = 768        # linear_* cases: an ops.torch.Linear(768, 768)
 
 # runs in a fresh interpreter: argv[1] is a JSON config; prints one JSON line
 _COMPILE_SCRIPT = r"""
@@ -92,6 +99,31 @@ print(json.dumps({"import": t_import, "load": t_load, "next": t_next,
 """
 
 
+# a new Linear layer and a new M on it: argv[1] is a JSON config; prints one JSON line
+_LINEAR_SCRIPT = r"""
+import json, sys, time
+cfg = json.loads(sys.argv[1])
+clock = time.thread_time if cfg["clock"] == "cpu" else time.perf_counter
+import torch
+import tpp, ops.torch
+tpp.unary("identity", 8, 8).compile()          # LLVM's one-time initialisation, not counted
+torch.manual_seed(0)
+layer = ops.torch.Linear(cfg["n"], cfg["n"])
+res = {}
+for name, seq in (("layer", cfg["seq"]), ("new_m", cfg["seq_next"])):
+    x = torch.randn(4, seq, cfg["n"], requires_grad=True)
+    built = tpp.cache_info()["compiled"]
+    t0 = clock()
+    y = layer(x)
+    t1 = clock()
+    y.sum().backward()
+    t2 = clock()
+    res[name] = {"fwd": t1 - t0, "fwd_bwd": t2 - t0,
+                 "compiled": tpp.cache_info()["compiled"] - built}
+print(json.dumps(res))
+"""
+
+
 def _repo_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
@@ -121,7 +153,8 @@ def _reps(ctx) -> tuple[int, int, tuple]:
 
 
 @register("jit", help="cold compile time of an eltwise kernel and its load time from the "
-                      "disk cache in a new process")
+                      "disk cache in a new process; the first call of a new Linear layer and "
+                      "of a new M on it")
 def run(ctx):
     if not ctx.wants_dtype("f32"):   # the kernels compiled and loaded are f32
         return
@@ -180,3 +213,27 @@ def run(ctx):
                         stats=summarize(imports), unit="ms", processes=len(imports))
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
+    _linear_cases(ctx, loads)
+
+
+def _linear_cases(ctx, processes: int):
+    """linear_layer/* and linear_new_m/*: one fresh process and empty cache per sample."""
+    samples = []
+    ctx.log(f"  a new Linear({LINEAR_N}, {LINEAR_N}) layer, then a new M, in {processes} "
+            f"new process(es)")
+    for _ in range(processes):
+        cache_dir = tempfile.mkdtemp(prefix="tpp-bench-jit-")
+        try:
+            samples.append(_spawn(_LINEAR_SCRIPT, {"n": LINEAR_N, "seq": 50, "seq_next": 77,
+                                                   "clock": ctx.config.clock}, cache_dir))
+        except Exception as exc:  # noqa: BLE001
+            ctx.failed("jit linear layer", exc)
+            return
+        finally:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    for name, seq in (("layer", 50), ("new_m", 77)):
+        for part in ("fwd", "fwd_bwd"):
+            time_record(ctx, suite="jit", case=f"linear_{name}/{part}", provider="tpp",
+                        shape=(4, seq, LINEAR_N), unit="ms", processes=len(samples),
+                        stats=summarize([s[name][part] for s in samples]),
+                        compiled=[s[name]["compiled"] for s in samples])
