@@ -8,20 +8,20 @@ optimisation) and assembly to that directory when it is compiled.
 A kernel is compiled to a relocatable object, linked into a shared library when the system
 linker exists (`sharedlib`), stored in the disk cache and loaded with dlopen; a hit in a new
 process needs neither LLVM nor the linker. Without a linker, or without a disk cache,
-the object is loaded into LLVM's MCJIT engine instead.
+the object is loaded into LLVM's MCJIT engine instead. `compile_with_kernels` builds a loop
+nest and the kernels it calls as one library and one cache entry (one link, one load).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpp import cache
 from tpp.errors import ArgumentError, UnsupportedError
-
-import importlib
 
 from . import jit, sharedlib
 from .target import Target, current
@@ -102,59 +102,110 @@ def generate_ir(spec, target: Target, symbol: str):
 
 def compile(spec, target: Target | None = None) -> CompiledKernel:
     """The loaded kernel for spec, from the disk cache when a valid entry exists."""
+    return compile_with_kernels(spec, (), target)[0]
+
+
+def compile_with_kernels(spec, kernel_specs, target: Target | None = None) -> tuple:
+    """(CompiledKernel of spec, (address of each kernel_specs' function, in order)), all from
+    one link, one shared library, one disk cache entry and one load. A loop nest compiles
+    with the kernels it calls this way: each of those functions is generated and optimised
+    exactly as compile(kernel_spec) would, under a name private to the entry. Where no linker
+    exists, an entry of several functions is loaded into MCJIT and not stored on disk.
+    tpp.cache_info()'s counters count every function built or loaded."""
     target = current() if target is None else target
     if not target.runnable:
         raise UnsupportedError(f"this host cannot run {target.isa} code (TPP_CPU_ISA="
                                f"{os.environ.get('TPP_CPU_ISA')}); Kernel.dump() shows its code")
+    kernel_specs = tuple(kernel_specs)
     key = cache_key(spec, target)
+    if kernel_specs:
+        key += "|with=" + ";".join(k.key() for k in kernel_specs)
     symbol = symbol_for(key)
+    symbols = (symbol,) + tuple(f"{symbol}_k{i}" for i in range(len(kernel_specs)))
     disk = _disk()
-    address = _load_cached(disk, key, symbol, target)
-    if address is not None:
-        COUNTS["loaded"] += 1
+    addresses = _load_cached(disk, key, symbols, target)
+    if addresses is not None:
+        COUNTS["loaded"] += len(symbols)
     else:
-        obj = build_object(spec, target, symbol)
-        COUNTS["built"] += 1
-        library = sharedlib.link(obj) if disk.directory is not None else None
-        disk.store(key, library if library is not None else obj)
+        objects = build_object(spec, target, symbol, tuple(zip(kernel_specs, symbols[1:])))
+        COUNTS["built"] += len(symbols)
+        library = sharedlib.link(objects) if disk.directory is not None else None
+        if library is not None or len(objects) == 1:
+            disk.store(key, library if library is not None else objects[0])
         if library is not None:
             try:
-                address = sharedlib.load(library, symbol)
+                addresses = sharedlib.load_all(library, symbols)
             except OSError:
-                address = None
-        if address is None:
-            address = jit.load(obj, symbol, target)
-    return CompiledKernel(spec, target, symbol, address, len(spec.scalars))
+                addresses = None
+        if addresses is None:
+            addresses = jit.load_all(objects, symbols, target)
+    return CompiledKernel(spec, target, symbol, addresses[0], len(spec.scalars)), addresses[1:]
 
 
-def _load_cached(disk, key, symbol, target):
-    """The address of a verified cache entry's kernel, or None (rebuild)."""
+def _load_cached(disk, key, symbols, target):
+    """The addresses of a verified cache entry's functions, or None (rebuild)."""
     payload = disk.load(key)
     if payload is None:
         return None
     if sharedlib.is_shared(payload):
         try:
-            return sharedlib.load(payload, symbol)
+            return sharedlib.load_all(payload, symbols)
         except OSError:
             return None
     if sharedlib.is_object(payload):
-        return jit.load(payload, symbol, target)
+        return jit.load_all([payload], symbols, target)
     return None
 
 
+# Families whose generators emit vector code unrolled and register-blocked already (BRGEMM),
+# or only calls and address arithmetic (loop nests): LLVM's light pass list (jit.LIGHT) and
+# code generation without loop strength reduction keep their inner loops (checked with
+# dump("asm") and tpp-bench brgemm) at a fraction of the compile time. The other families get
+# O3 with its vectorizers.
+_LIGHT_FAMILIES = ("brgemm", "loopnest")
+
+
 def _optimize(spec, module_ir, target):
-    """LLVM's optimiser; BRGEMM code is emitted vectorised and unrolled already, and a loop
-    nest is only calls, so there LLVM's vectorizers and unroller would only cost compile time."""
-    return jit.optimize(module_ir, target, vectorize=spec.family not in ("brgemm", "loopnest"))
+    """The optimised ModuleRef of spec's IR (an llvmlite.ir module)."""
+    if spec.family in _LIGHT_FAMILIES:
+        return jit.optimize(module_ir, target, passes=jit.LIGHT)
+    return jit.optimize(module_ir, target)
 
 
-def build_object(spec, target: Target, symbol: str) -> bytes:
-    module_ir = generate_ir(spec, target, symbol)
-    mod = _optimize(spec, module_ir, target)
-    dump_dir = os.environ.get("TPP_DUMP")
-    if dump_dir:
-        _dump(Path(dump_dir), symbol, spec, str(module_ir), str(mod), jit.emit_assembly(mod, target))
-    return jit.emit_object(mod, target)
+def _strength_reduce(spec) -> bool:
+    return spec.family not in _LIGHT_FAMILIES
+
+
+def _codegen(spec, mod, target, assembly=False):
+    emit = jit.emit_assembly if assembly else jit.emit_object
+    return emit(mod, target, strength_reduce=_strength_reduce(spec))
+
+
+def build_object(spec, target: Target, symbol: str, kernels=()) -> list:
+    """Object code of spec's function as `symbol` and of each kernel spec's of kernels, a
+    sequence of (spec, symbol). Each function is generated and optimised on its own (its
+    family's pass list); the optimised modules that share a code generation setting are then
+    linked into one module and generated as one object (a loop nest and its BRGEMM kernels:
+    one object), which saves code generation's fixed cost per module. Functions call each
+    other only through addresses passed at run time, so linking changes no function's code."""
+    groups: dict = {}
+    for one, name in ((spec, symbol),) + tuple(kernels):
+        module_ir = generate_ir(one, target, name)
+        mod = _optimize(one, module_ir, target)
+        dump_dir = os.environ.get("TPP_DUMP")
+        if dump_dir:
+            _dump(Path(dump_dir), name, one, str(module_ir), str(mod),
+                  _codegen(one, mod, target, assembly=True))
+        group = groups.setdefault(_strength_reduce(one), [])
+        if group:
+            try:
+                group[0].link_in(mod)
+                continue
+            except RuntimeError:   # e.g. two definitions of one name: keep it apart
+                pass
+        group.append(mod)
+    return [jit.emit_object(mod, target, strength_reduce=reduce)
+            for reduce, mods in groups.items() for mod in mods]
 
 
 def _dump(directory: Path, symbol, spec, raw_ir, opt_ir, asm):
@@ -177,5 +228,5 @@ def dump(spec, what: str = "asm", target: Target | None = None) -> str:
     if what == "opt":
         return str(mod)
     if what == "asm":
-        return jit.emit_assembly(mod, target)
+        return _codegen(spec, mod, target, assembly=True)
     raise ArgumentError(f"what must be 'ir', 'opt' or 'asm', got {what!r}")

@@ -60,7 +60,7 @@ def generate(spec, target, symbol: str) -> ir.Module:
 
         def flat_index():
             base = b.trunc(b.add(b.mul(row, i64(n)), col), I32)
-            lane = ir.Constant(irx.vec(I32, w), list(range(w)))
+            lane = irx.indices(range(w))
             return b.add(irx.splat(b, base, w), lane)
 
         ctx = mapops.MapContext(b, params, w, flat_index, seed)

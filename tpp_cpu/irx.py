@@ -41,27 +41,91 @@ def vec(ty, w: int) -> ir.VectorType:
     return ir.VectorType(ty, w)
 
 
+class _Literal(ir.Constant):
+    """A constant printed as the given text (`undef`, `poison`, `zeroinitializer`,
+    `splat (float 1.0)`): llvmlite prints a vector constant lane by lane, which for a
+    <16 x float> is ~300 bytes to build, print and parse per use."""
+
+    def __init__(self, ty, text: str, lanes=None):
+        self.type = ty
+        self.constant = text if lanes is None else lanes   # lanes: what llvmlite checks
+        self._text = text
+
+    def _get_reference(self):
+        return self._text
+
+
+# Constants are immutable values and may be shared by any number of instructions and
+# modules: each is built (and its text printed) once per process.
+_CONSTANTS: dict = {}
+_ZERO_I32 = ir.Constant(I32, 0)
+
+
+def _cached(key, make):
+    c = _CONSTANTS.get(key)
+    if c is None:
+        c = _CONSTANTS[key] = make()
+    return c
+
+
+def _is_zero(value) -> bool:
+    """value is an integer or +0.0 (not -0.0, whose bits are not zero)."""
+    return value == 0 and str(value)[0] != "-"
+
+
 def const(ty, value):
     """A scalar constant, or a vector constant with every lane equal to value."""
     if isinstance(ty, ir.VectorType):
-        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
-    return ir.Constant(ty, value)
+        def make():
+            if _is_zero(value):
+                return _Literal(ty, "zeroinitializer")
+            return _Literal(ty, f"splat ({ir.Constant(ty.element, value)})")
+        return _cached(("splat", str(ty), type(value), value), make)
+    return _cached(("scalar", str(ty), type(value), value), lambda: ir.Constant(ty, value))
+
+
+def undef(ty):
+    """`undef` of any type, printed as one word."""
+    return _cached(("undef", str(ty)), lambda: _Literal(ty, "undef"))
+
+
+def poison(ty):
+    """`poison` of any type, printed as one word."""
+    return _cached(("poison", str(ty)), lambda: _Literal(ty, "poison"))
+
+
+def indices(values) -> ir.Constant:
+    """The constant <n x i32> of a shuffle mask (all-zero masks print as zeroinitializer)."""
+    values = tuple(values)
+
+    def make():
+        ty = vec(I32, len(values))
+        if not any(values):
+            return _Literal(ty, "zeroinitializer", (_ZERO_I32,) * len(values))
+        return ir.Constant(ty, list(values))
+    return _cached(("indices", values), make)
+
+
+def shuffle(b: ir.IRBuilder, x, y, mask):
+    """shufflevector x, y (None: undef of x's type) with the index list mask."""
+    return b.shuffle_vector(x, undef(x.type) if y is None else y, indices(mask))
 
 
 def i64(value: int):
-    return ir.Constant(I64, value)
+    return const(I64, value)
 
 
 def splat(b: ir.IRBuilder, scalar, w: int):
-    """A vector with every lane equal to a runtime scalar."""
+    """A vector with every lane equal to a runtime scalar (LLVM's own splat idiom)."""
     ty = vec(scalar.type, w)
-    one = b.insert_element(ir.Constant(ty, ir.Undefined), scalar, ir.Constant(I32, 0))
-    return b.shuffle_vector(one, ir.Constant(ty, ir.Undefined), ir.Constant(vec(I32, w), [0] * w))
+    one = b.insert_element(poison(ty), scalar, _ZERO_I32)
+    return b.shuffle_vector(one, poison(ty), indices((0,) * w))
 
 
 def lane_mask(w: int, count: int):
     """The constant <w x i1> with the first `count` lanes on."""
-    return ir.Constant(vec(I1, w), [1 if i < count else 0 for i in range(w)])
+    return _cached(("mask", w, count),
+                   lambda: ir.Constant(vec(I1, w), [1 if i < count else 0 for i in range(w)]))
 
 
 def _mangle(ty) -> str:
@@ -218,8 +282,7 @@ def store_vec(b, value, base, offset, count: int | None = None, streaming: bool 
             per = STREAM_PIECE // align
             flag = b.module.add_metadata([ir.Constant(I32, 1)])
             for k in range(0, w, per):
-                piece = b.shuffle_vector(value, ir.Constant(vt, ir.Undefined),
-                                         ir.Constant(vec(I32, per), list(range(k, k + per))))
+                piece = shuffle(b, value, None, range(k, k + per))
                 addr = element_ptr(b, ptr, i64(k), ty)
                 b.store(piece, addr, align=STREAM_PIECE).set_metadata("nontemporal", flag)
         else:
@@ -233,7 +296,7 @@ def store_vec(b, value, base, offset, count: int | None = None, streaming: bool 
         # 2 bytes written past the element (apparently llvm/llvm-project#179489, fixed on
         # LLVM main by PR #179853). The scalar store is a 16-bit vpextrw on every LLVM and ISA,
         # and no slower than kmov + vpmovdw; other counts and element types keep masked stores.
-        b.store(b.extract_element(value, ir.Constant(I32, 0)), ptr, align=align)
+        b.store(b.extract_element(value, _ZERO_I32), ptr, align=align)
         return
     fn = intrinsic(b.module, "llvm.masked.store", ir.VoidType(), [vt, PTR, I32, vec(I1, w)], [vt, PTR])
     b.call(fn, [value, ptr, ir.Constant(I32, align), lane_mask(w, count)])

@@ -76,7 +76,7 @@ def _keep_bits(ctx):
     h = _fmix32(b, h, vi)
     h = _fmix32(b, b.xor(h, seed_hi), vi)
     threshold = reference.dropout_threshold(ctx.params["p"])
-    return b.icmp_unsigned(">=", h, ir.Constant(vi, [ir.Constant(I32, threshold)] * w))
+    return b.icmp_unsigned(">=", h, const(vi, threshold))
 
 
 def _fmix32(b, h, vi):

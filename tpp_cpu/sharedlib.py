@@ -2,7 +2,7 @@
 
 A cached kernel stored as a shared library loads in a fraction of a millisecond in a new
 process without importing LLVM at all. Where no linker is installed, `link` returns None and
-the caller keeps the relocatable object, which the MCJIT engine loads (`jit.load`).
+the caller keeps the relocatable objects, which the MCJIT engine loads (`jit.load_all`).
 
 Loading leaves nothing behind on disk: each library is written to its own temporary file,
 dlopen'ed and unlinked at once (no per-process directory to clean up, even after a crash).
@@ -31,16 +31,21 @@ def linker() -> str | None:
     return shutil.which("ld")
 
 
-def link(obj: bytes) -> bytes | None:
-    """The shared library made of one relocatable object, or None without a working linker."""
+def link(objects) -> bytes | None:
+    """The shared library made of relocatable objects (bytes, or a list of them: one link for
+    all), or None without a working linker."""
+    objects = [objects] if isinstance(objects, bytes) else list(objects)
     tool = linker()
     if tool is None:
         return None
     with tempfile.TemporaryDirectory(prefix="tpp-link-") as tmp:
-        src, dst = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        src.write_bytes(obj)
+        sources = [Path(tmp) / f"k{i}.o" for i in range(len(objects))]
+        for src, obj in zip(sources, objects):
+            src.write_bytes(obj)
+        dst = Path(tmp) / "k.so"
         try:
-            done = subprocess.run([tool, "-shared", "-z", "noexecstack", "-o", str(dst), str(src)],
+            done = subprocess.run([tool, "-shared", "-z", "noexecstack", "-o", str(dst)]
+                                  + [str(src) for src in sources],
                                   capture_output=True, timeout=60)
         except (OSError, subprocess.SubprocessError):
             return None
@@ -65,22 +70,30 @@ def is_object(blob: bytes) -> bool:
 
 
 def load(library: bytes, symbol: str) -> int:
-    """Load a shared library given as bytes and return the address of symbol (OSError if
-    impossible). The same bytes and symbol give the address of the earlier load; otherwise the
-    bytes are written to a new owner-only temporary file (mkstemp, fresh name), loaded, and the
-    file unlinked: what runs is exactly the bytes the caller verified, however the cache file
-    changes later. Should dlopen hand back an earlier library of other bytes (it matches loaded
-    files by inode, and an unlinked file's inode may be reused), that library lacks `symbol`,
-    whose name is unique to its cache key: OSError, never the wrong code."""
-    key = (hashlib.sha256(library).digest(), symbol)
-    address = _LOADED.get(key)
-    if address is None:
-        address = _LOADED[key] = _dlopen(library, symbol)
-    return address
+    """The address of symbol in a shared library given as bytes (see load_all)."""
+    return load_all(library, (symbol,))[0]
 
 
-def _dlopen(library: bytes, symbol: str) -> int:
-    """dlopen the bytes through a temporary file, unlinked at once; the address of symbol."""
+def load_all(library: bytes, symbols) -> tuple:
+    """Load a shared library given as bytes and return the address of each of symbols
+    (OSError if impossible). The same bytes and symbol give the address of the earlier load;
+    otherwise the bytes are written to a new owner-only temporary file (mkstemp, fresh name),
+    loaded once, and the file unlinked: what runs is exactly the bytes the caller verified,
+    however the cache file changes later. Should dlopen hand back an earlier library of other
+    bytes (it matches loaded files by inode, and an unlinked file's inode may be reused), that
+    library lacks the symbols, whose names are unique to their cache key: OSError, never the
+    wrong code."""
+    digest = hashlib.sha256(library).digest()
+    keys = [(digest, symbol) for symbol in symbols]
+    if not all(key in _LOADED for key in keys):
+        for key, address in zip(keys, _dlopen(library, symbols)):
+            _LOADED[key] = address
+    return tuple(_LOADED[key] for key in keys)
+
+
+def _dlopen(library: bytes, symbols) -> list:
+    """dlopen the bytes through a temporary file, unlinked at once; the address of each
+    symbol."""
     fd, name = tempfile.mkstemp(prefix="tpp-", suffix=".so")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -89,8 +102,8 @@ def _dlopen(library: bytes, symbol: str) -> int:
     finally:
         os.unlink(name)
     try:
-        fn = getattr(lib, symbol)
+        fns = [getattr(lib, symbol) for symbol in symbols]
     except AttributeError as exc:
-        raise OSError(f"{symbol} not in the library") from exc
+        raise OSError(f"{exc} (a symbol is not in the library)") from exc
     _LIBS.append(lib)
-    return ctypes.cast(fn, ctypes.c_void_p).value
+    return [ctypes.cast(fn, ctypes.c_void_p).value for fn in fns]

@@ -64,7 +64,7 @@ class _Mover:
         result = irx.const(vec(ety, w), 0)
         for pos, size in _pieces(count):
             piece = irx.load_vec(b, base, b.add(offset, i64(pos)), ety, size)
-            widened = _shuffle(b, piece, ir.Constant(piece.type, ir.Undefined),
+            widened = _shuffle(b, piece, irx.undef(piece.type),
                                [k if k < size else size for k in range(w)])
             result = _shuffle(b, result, widened,
                               [w + k - pos if pos <= k < pos + size else k for k in range(w)])
@@ -78,7 +78,7 @@ class _Mover:
         if count is None or count >= w or self.use_masks:
             irx.store_vec(b, value, base, offset, count, streaming=streaming)
             return
-        undef = ir.Constant(value.type, ir.Undefined)
+        undef = irx.undef(value.type)
         for pos, size in _pieces(count):
             piece = _shuffle(b, value, undef, list(range(pos, pos + size)))
             irx.store_vec(b, piece, base, b.add(offset, i64(pos)))
@@ -119,7 +119,7 @@ def generate(spec, target, symbol: str) -> ir.Module:
 
 
 def _shuffle(b, x, y, mask):
-    return b.shuffle_vector(x, y, ir.Constant(vec(I32, len(mask)), mask))
+    return b.shuffle_vector(x, y, irx.indices(mask))
 
 
 # ---------------------------------------------------------------- transpose
@@ -483,7 +483,7 @@ def _vnni2_inv_rows(b, spec, mv, src, dst, streaming):
             def body(col, count, outs=outs):
                 off = b.add(b.mul(r, i64(ldi)), b.mul(col, i64(2)))
                 x = mv.load(src, off, 2 * c, None if count is None else 2 * count)
-                undef = ir.Constant(x.type, ir.Undefined)
+                undef = irx.undef(x.type)
                 for t in outs:
                     out_off = b.add(b.mul(b.add(b.mul(r, i64(2)), i64(t)), i64(ldo)), col)
                     mv.store(_shuffle(b, x, undef, halves[t]), dst, out_off, count, streaming)
