@@ -21,15 +21,21 @@ without padding the input.
 Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows,
 bn = the weight's panel width (64), kc = K up to 768, else 512-element chunks; bf16 output
 keeps K whole (a bf16 C cannot carry partial sums). None of it depends on M. Problems under
-4 MFLOP run on one thread (decided per call): the team's wake-up would cost more than it saves.
+4 MFLOP whose weight is under 1 MiB run on one thread (decided per call, `serial`): the team's
+wake-up would cost more than it saves; a larger weight is streamed by every core even at M = 1.
 
-Nests are compiled per (weight shape, dtypes, bias, activation, blocking), plans looked up per
-call by the same key, so a new M costs neither a compile nor a plan.
+Nests are compiled per (weight shape, dtypes, bias, activation, blocking), plans (`_Plan`: the
+nest, output dtype and thread rule, validated once) kept by each PackedWeight for the calls it
+sees and process-wide by the same key, so a new M costs neither a compile nor a plan, and a
+call on a weight seen before costs one dict lookup before its nest's fast path.
 """
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
+
+import numpy as np
 
 import tpp
 from tpp import arrays, checks
@@ -43,6 +49,8 @@ from .packing import PackedWeight, pack_kn, pack_nk
 
 ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
 _SERIAL_FLOPS = 4e6
+_PARALLEL_BYTES = 1 << 20   # a weight this large runs on every thread (see serial)
+_OWN_PLANS = 16             # plans a PackedWeight keeps (start over when full)
 
 
 @dataclass(frozen=True)
@@ -131,31 +139,117 @@ def matmul(a, b, out=None, bias=None, activation=None, *, out_dtype=None, blocki
     """act(a @ b + bias): a (M, K); b a (K, N) array or a PackedWeight (ops.pack_kn);
     out (M, N) written in place when given (not a torch tensor requiring grad while grad
     mode is on: autograd would not see the write). Returns the output."""
-    _host.reject_unknown(matmul, unknown)
+    if unknown:
+        _host.reject_unknown(matmul, unknown)
     a = _host.host(a, "a")
     if a.ndim != 2:
         raise ArgumentError(f"a: expected a 2-D (M, K) array, got shape {tuple(a.shape)}")
     packed = b if isinstance(b, PackedWeight) else pack_kn(b)
-    return _run(_host.contiguous(a), packed, out, bias, activation, out_dtype, blocking, "a")
+    a = _host.contiguous(a)
+    plan = _plan(a, packed, out_dtype, bias is not None, activation, blocking, "a")
+    return plan.run(a, packed, out, bias, "a")
 
 
 def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **unknown):
     """act(x @ w.T + b) like torch.nn.functional.linear: x (..., K); w (N, K) or a
     PackedWeight from ops.pack_nk(w); returns (..., N)."""
-    _host.reject_unknown(linear, unknown)
+    if unknown:
+        _host.reject_unknown(linear, unknown)
     x = _host.host(x, "x")
     packed = w if isinstance(w, PackedWeight) else pack_nk(w)
-    x2, lead = _host.rows(x, packed.k, "x")
-    y = _run(x2, packed, None, b, activation, out_dtype, blocking, "x")
-    return y.reshape(*lead, packed.n)
+    if len(x.shape) == 2 and x.shape[1] == packed.k:    # the common case: no reshape
+        x2 = _host.contiguous(x)
+        lead = None
+    else:
+        x2, lead = _host.rows(x, packed.k, "x")
+    plan = _plan(x2, packed, out_dtype, b is not None, activation, blocking, "x")
+    y = plan.run(x2, packed, None, b, "x")
+    return y if lead is None else y.reshape(*lead, packed.n)
 
 
-_PLANS = LRU(256, "matmul_plans")   # problem -> (nest, dtype_out)
+def serial(flops: float, nbytes: int) -> bool:
+    """Whether a product of `flops` that streams `nbytes` (its weight, read once per call
+    however few the rows) runs on one thread: under 4 MFLOP and 1 MiB. A weight that large
+    is worth both cores even at M = 1 (a memory-bound GEMV: their combined bandwidth, and
+    each core's share stays in its own L2 across calls); below, the team's wake-up costs more
+    than it saves."""
+    return flops < _SERIAL_FLOPS and nbytes < _PARALLEL_BYTES
+
+
+class _Plan:
+    """One kind of problem (weight geometry and dtype, input dtype, output dtype, bias,
+    activation, blocking), validated once: its nest, output dtype and thread rule."""
+
+    __slots__ = ("nest", "dt_out", "n", "serial_rows", "np_out")
+
+    def __init__(self, nest, dt_out, n, k, weight_bytes):
+        self.nest, self.dt_out, self.n, self.np_out = nest, dt_out, n, dt_out.numpy
+        # the rows below which a call runs on one thread (serial() solved for M)
+        self.serial_rows = 0 if not serial(0, weight_bytes) else \
+            int(-(-_SERIAL_FLOPS // (2 * n * k)))
+
+    def run(self, a, packed, out, bias, name):
+        """act(a @ packed + bias) into out (None: a new array of a's kind); a is C-contiguous
+        (M, K) of the plan's dtype and K, packed of the plan's weight geometry."""
+        m = a.shape[0]
+        if bias is not None:
+            bias = _host.contiguous(_host.host(bias, "bias"))
+        if out is None:
+            out = np.empty((m, self.n), self.np_out) if type(a) is np.ndarray else \
+                _host.empty((m, self.n), self.dt_out, a)
+        else:
+            out = _host.host(out, "out")
+            arrays.check_output_tensor(out, "out")
+            # the nest reads its inputs while it writes out: shared memory gives wrong results
+            if any(arrays.overlap(out, t) for t in (a, packed.data, bias) if t is not None):
+                raise ArgumentError(f"out must not overlap {name}, the weight or the bias")
+        threads = 1 if m < self.serial_rows else None
+        self.nest.call((a, packed.data, out) if bias is None else (a, packed.data, out, bias),
+                       threads)
+        return out
+
+
+_PLANS = LRU(256, "matmul_plans")   # problem -> _Plan
+_PLANNED = weakref.WeakSet()        # the PackedWeights holding plans of their own
 also_clear(gemm_nest.cache_clear)   # tpp.clear_caches() empties the nests too
 
 
-def _plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking):
-    """(nest, dtype_out) for one kind of problem (any M), validated once and then looked up."""
+def _forget_plans():
+    for packed in list(_PLANNED):
+        packed.plans.clear()
+
+
+also_clear(_forget_plans)
+
+
+def _plan(a, packed, out_dtype, has_bias, activation, blocking, name) -> _Plan:
+    """The _Plan of a call on a (M, K) array: from the weight's own plans (keyed by what the
+    call may vary: a's native dtype, out_dtype, bias or not, activation), else the process-
+    wide ones, else validated and built. blocking= always takes the checked way."""
+    if not isinstance(packed, PackedWeight):
+        raise ArgumentError(f"expected a PackedWeight, got {type(packed).__name__}")
+    own = packed.plans
+    key = None
+    if blocking is None:
+        key = (a.dtype, out_dtype, has_bias, activation)
+        try:
+            plan = own.get(key)
+        except TypeError:   # unhashable (activation=["relu"], ...): rejected below
+            plan = key = None
+        if plan is not None and a.shape[1] == packed.k:
+            return plan
+    plan = _checked_plan(a.shape[1], packed, _host.dtype_of(a, name), out_dtype, has_bias,
+                         activation, _as_blocking(blocking))
+    if key is not None:
+        if len(own) >= _OWN_PLANS:
+            own.clear()
+        own[key] = plan
+        _PLANNED.add(packed)
+    return plan
+
+
+def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> _Plan:
+    """The _Plan for one kind of problem (any M), validated once and then looked up."""
     key = (k, packed.k, packed.n, packed.bn, dt, packed.dtype, dt_out_arg, has_bias,
            activation, blocking)     # the weight's K and dtype too: they are checked below
     try:
@@ -177,32 +271,7 @@ def _plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking):
     bl = choose_blocking(k, dt_out) if blocking is None else blocking
     bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
     nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
-    plan = (nest, dt_out)
+    plan = _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize)
     if key is not None:
         _PLANS[key] = plan
     return plan
-
-
-def _run(a, packed, out, bias, activation, out_dtype, blocking, name):
-    if not isinstance(packed, PackedWeight):
-        raise ArgumentError(f"expected a PackedWeight, got {type(packed).__name__}")
-    m, k = a.shape
-    dt = _host.dtype_of(a, name)
-    nest, dt_out = _plan(k, packed, dt, out_dtype, bias is not None, activation,
-                         _as_blocking(blocking))
-    if bias is not None:
-        bias = _host.contiguous(_host.host(bias, "bias"))
-    if out is None:
-        out = _host.empty((m, packed.n), dt_out, a)
-    else:
-        out = _host.host(out, "out")
-        arrays.check_output_tensor(out, "out")
-        # the nest reads its inputs while it writes out: shared memory gives wrong results
-        if any(arrays.overlap(out, t) for t in (a, packed.data, bias) if t is not None):
-            raise ArgumentError(f"out must not overlap {name}, the weight or the bias")
-    threads = 1 if 2.0 * m * packed.n * k < _SERIAL_FLOPS else None
-    if bias is None:
-        nest(a, packed.data, out, threads=threads)
-    else:
-        nest(a, packed.data, out, bias, threads=threads)
-    return out

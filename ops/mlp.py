@@ -27,7 +27,7 @@ from tpp.errors import ArgumentError
 from tpp.lru import also_clear
 
 from . import _host, blocked
-from .matmul import _SERIAL_FLOPS, ACTIVATIONS, linear, matmul
+from .matmul import ACTIVATIONS, linear, matmul, serial
 from .packing import PackedWeight, pack_kn, pack_nk
 
 _BACKWARD = {"relu": "relu_inv", "gelu": "gelu_inv", "sigmoid": "sigmoid_inv",
@@ -187,6 +187,6 @@ def weight_grad(dz, x):
     (m, n), k = dz.shape, x.shape[1]
     dt = _host.dtype_of(x, "x")
     dw = _host.empty((n, k), dt, dz)
-    threads = 1 if 2.0 * m * n * k < _SERIAL_FLOPS else None
+    threads = 1 if serial(2.0 * m * n * k, n * k * dt.itemsize) else None
     _weight_grad_nest(n, k, dt)(dz, x, dw, threads=threads)
     return dw

@@ -10,7 +10,7 @@ vnni2 TPPs block by block; a PackedWeight is then reused by every call (nothing 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tpp
 from tpp import checks
@@ -27,6 +27,9 @@ class PackedWeight:
     n: int
     bn: int
     dtype: _dt.DType
+    # the operators' validated plans for calls on this weight (ops.matmul._plan), cleared by
+    # tpp.clear_caches()
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def vnni(self) -> bool:

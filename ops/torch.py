@@ -103,6 +103,11 @@ def _plain(t):
     return t.detach() if t._is_view() else t
 
 
+def _packed(packed, weight):
+    """packed (a PackedWeight of weight, checked by the caller), or weight packed now."""
+    return packed if packed is not None else _ops.pack_nk(weight.detach())
+
+
 def _torch_linear(x, weight, bias, activation):
     """act(x @ weight.T + bias) in torch's operators, recorded by autograd as usual."""
     return _TORCH_ACTIVATION[activation](torch.nn.functional.linear(x, weight, bias))
@@ -117,7 +122,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation, packed):
         if not any(ctx.needs_input_grad[:3]):
-            return _plain(_ops.mlp(x, weight, bias, activation, packed=packed))
+            return _plain(_ops.linear(x, _packed(packed, weight), bias, activation))
         y, saved = _ops.mlp_forward(x, weight, bias, activation, packed=packed)
         y = _plain(y)
         ctx.activation = activation
@@ -176,8 +181,8 @@ def _linear(x, weight, bias, activation, pack):
         return _torch_linear(x, weight, bias, activation)
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                          (bias is not None and bias.requires_grad))
-    if not grad:
-        return _plain(_ops.mlp(x, weight, bias, activation, packed=pack()))
+    if not grad:    # validated above (_check): straight to the packed GEMM
+        return _plain(_ops.linear(x, _packed(pack(), weight), bias, activation))
     return LinearFunction.apply(x, weight, bias, activation, pack())
 
 

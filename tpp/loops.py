@@ -35,7 +35,9 @@ outside the arrays it is given.
 """
 from __future__ import annotations
 
+import functools
 import math
+import threading
 
 import numpy as np
 
@@ -218,7 +220,6 @@ class CompiledNest:
     _MEMO = 1024     # shape signatures (and size assignments) remembered as checked
 
     def __init__(self, spec: LoopNestSpec):
-        import tpp
         from tpp_cpu import backend, loopnest, threads
         self.spec = spec
         self._threads = threads
@@ -233,14 +234,15 @@ class CompiledNest:
         self._aliasable = _aliasable_pairs(spec, self._written)
         slots = self._slots = loopnest.layout(spec)
         table = np.zeros(slots["size"], np.int64)
-        for k, kspec in enumerate(spec.kernel_specs()):
-            table[slots["kernels"] + k] = int(arrays.ffi.cast("intptr_t", tpp.kernel(kspec).raw))
+        # the nest and every kernel it calls: one object, library and disk cache entry
+        entry, kernels = backend.compile_with_kernels(spec, spec.kernel_specs())
+        table[slots["kernels"]:slots["kernels"] + len(kernels)] = kernels
         runtime = threads.runtime()
         if runtime is not None:
             table[slots["runtime"]:slots["runtime"] + 4] = runtime
         self._template = table
         self._has_runtime = runtime is not None
-        self._entry = arrays.ffi.cast("void(*)(void **)", backend.compile(spec).address)
+        self._entry = arrays.ffi.cast("void(*)(void **)", entry.address)
         # sizes a tensor dimension gives: (tensor, dim, size name) for each dim that is exactly
         # one size; the others must come as keywords
         self._binders = tuple((k, d, dim.terms[0][0][1:]) for k, t in enumerate(spec.tensors)
@@ -346,57 +348,114 @@ class CompiledNest:
         """Let the fast path take arrays of these shapes (validated with these sizes)."""
         if len(self._signatures) >= self._MEMO:
             self._signatures.clear()
-        cast = arrays.ffi.cast
-        self._signatures[shapes] = ([cast("void *", v) for v in values], nbytes)
+        self._signatures[shapes] = (list(values), nbytes)
 
     def __call__(self, *args, threads=None, **named):
         """Run the nest on these arrays (numpy or torch CPU, one per declared tensor)."""
         table = self._fast_table(args, named, threads)
         if table is None:
-            table = self.bind(*args, threads=threads, **named)
-        self.run(table)
+            self.run(self.bind(*args, threads=threads, **named))
+        else:
+            self._int_entry(table)
+
+    def call(self, arrays: tuple, threads=None):
+        """nest(*arrays, threads=threads) without the keyword handling (the operators' call:
+        one array per declared tensor, in order; every check the same)."""
+        table = self._fast_table(arrays, None, threads)
+        if table is None:
+            self.run(self.bind(*arrays, threads=threads))
+        else:
+            self._int_entry(table)
 
     def _fast_table(self, args, named, threads):
-        """The call table (a cffi array) for plain numpy arrays of a shape signature `bind`
-        validated before, or None: then `bind` checks and explains."""
+        """The call table (a cffi intptr_t array, for `run`) for plain arrays of a shape
+        signature `bind` validated before, or None: then `bind` checks and explains. Plain:
+        numpy arrays or torch CPU tensors (torch.Tensor or Parameter, strided) of exactly the
+        declared dtype, C-contiguous, numpy arrays writable where the nest writes; the
+        arrays' addresses then only need the overlap check. The table is this thread's own,
+        reused by its next call (a call runs to its end before the thread can start another)."""
         given = args
+        plain = self._plain
         if named:
-            if args or len(named) != len(self._plain):
+            if args or len(named) != len(plain):
                 return None
-            given = [None] * len(self._plain)
+            given = [None] * len(plain)
             for name, arr in named.items():
                 k = self._position.get(name)
                 if k is None:
                     return None
                 given[k] = arr
-        elif len(given) != len(self._plain):
+        elif len(given) != len(plain):
             return None
         if threads is None:
             threads = self._threads.num_threads() if self._has_runtime else 1
         elif (not self._has_runtime or type(threads) is not int
               or not 1 <= threads <= checks.MAX_THREADS):
             return None
-        ffi, ndarray = arrays.ffi, np.ndarray
-        from_buffer = ffi.from_buffer
-        buffers, shapes = [], []    # the arrays stay alive in the caller's arguments
-        for arr, (dt, written) in zip(given, self._plain):
-            if type(arr) is not ndarray or arr.dtype != dt:
-                return None
-            try:      # raises BufferError unless C-contiguous (and writable if written)
-                buffers.append(from_buffer(arr, require_writable=written))
-            except (BufferError, TypeError, ValueError):
-                return None
-            shapes.append(arr.shape)
+        addresses, shapes = [], []      # the arrays stay alive in the caller's arguments
+        k = 0
+        for arr in given:
+            if type(arr) is _NDARRAY:
+                dt, written = plain[k]
+                if arr.dtype != dt:
+                    return None
+                flags = arr.flags
+                if not flags.c_contiguous or (written and not flags.writeable):
+                    return None
+                addresses.append(_DATA_FIELD(id(arr) + _DATA_OFFSET).value if _DATA_FIELD
+                                 else arr.ctypes.data)
+                shapes.append(arr.shape)
+            elif type(arr) in _TORCH_PLAIN:
+                if (arr.dtype is not self._torch_dtypes[k] or not arr.is_cpu
+                        or arr.layout is not _TORCH_PLAIN[type(arr)]
+                        or not arr.is_contiguous()):
+                    return None
+                addresses.append(arr.data_ptr())
+                shapes.append(arr.shape)    # a torch.Size: equal to (and hashed as) the tuple
+            else:
+                if _TORCH_PLAIN or not arrays.is_torch(arr) or not _learn_torch():
+                    return None
+                return self._fast_table(args, named, threads)
+            k += 1
         known = self._signatures.get(tuple(shapes))
         if known is None:
             return None
         sizes, nbytes = known
-        table = ffi.new("void *[]", [_thread_pointer(threads)] + buffers + self._tail_pointers
-                        + sizes)
-        if self._written and len(buffers) > 1:
-            self._check_overlap(ffi.unpack(ffi.cast("intptr_t *", table) + 1, len(buffers)),
-                                nbytes)
+        if self._written:
+            self._check_overlap(addresses, nbytes)
+        tables = self._tables
+        table = tables.get(_get_ident())
+        if table is None:
+            if len(tables) >= _MAX_TABLES:
+                tables.clear()
+            table = tables[_get_ident()] = arrays.ffi.new(
+                "intptr_t[]", [0] * (1 + k) + self._tail_ints + [0] * len(sizes))
+        table[0] = threads
+        table[1:1 + k] = addresses
+        if sizes:
+            table[len(table) - len(sizes):len(table)] = sizes
         return table
+
+    @functools.cached_property
+    def _tables(self) -> dict:
+        """thread id -> the fast path's call table of that thread (see _fast_table)."""
+        return {}
+
+    @functools.cached_property
+    def _int_entry(self):
+        """The nest's function taking its table as an intptr_t array (the fast path's)."""
+        return arrays.ffi.cast("void(*)(intptr_t *)", self._entry)
+
+    @functools.cached_property
+    def _tail_ints(self) -> list:
+        """The table's slots between the arrays and the sizes (kernels, runtime), as ints."""
+        return [int(v) for v in self._template[1 + len(self.names):self._slots["sizes"]]]
+
+    @functools.cached_property
+    def _torch_dtypes(self) -> tuple:
+        """The torch dtype of each tensor (None where torch has none)."""
+        import torch
+        return tuple(getattr(torch, t.dtype.torch_name, None) for t in self.spec.tensors)
 
     def _check_overlap(self, addresses, nbytes):
         """A tensor the nest writes may not share memory with another tensor of the call,
@@ -420,22 +479,27 @@ class CompiledNest:
         if isinstance(table, np.ndarray):
             self._entry(arrays.ffi.cast("void **", table.ctypes.data))
         else:
-            self._entry(table)
+            self._int_entry(table)
 
     def dump(self, what: str = "asm") -> str:
         from tpp_cpu import backend
         return backend.dump(self.spec, what)
 
 
-_THREAD_POINTERS: dict = {}
+_NDARRAY = np.ndarray
+_MAX_TABLES = 64            # threads a nest keeps a fast-path call table for (then starts over)
+_TORCH_PLAIN: dict = {}     # torch.Tensor and torch.nn.Parameter -> torch.strided, once seen
 
 
-def _thread_pointer(threads: int):
-    """threads as the table's first slot (a void *), cached per count."""
-    p = _THREAD_POINTERS.get(threads)
-    if p is None:
-        p = _THREAD_POINTERS[threads] = arrays.ffi.cast("void *", threads)
-    return p
+_DATA_FIELD, _DATA_OFFSET = arrays._DATA_FIELD, arrays._DATA_OFFSET   # (arrays.address)
+_get_ident = threading.get_ident
+
+
+def _learn_torch() -> bool:
+    """Let the fast path take torch tensors (called when the first one arrives)."""
+    import torch
+    _TORCH_PLAIN.update({torch.Tensor: torch.strided, torch.nn.Parameter: torch.strided})
+    return True
 
 
 _IN_PLACE_KINDS = ("map", "map_inv", "compare")
