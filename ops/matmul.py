@@ -155,6 +155,16 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **un
     PackedWeight from ops.pack_nk(w); returns (..., N)."""
     if unknown:
         _host.reject_unknown(linear, unknown)
+    if type(x) is _NDARRAY and type(w) is PackedWeight and blocking is None:
+        # the thin path: a plan this weight validated before, one BRGEMM call (_Plan.direct)
+        try:
+            plan = w.plans.get((x.dtype, out_dtype, b is not None, activation))
+        except TypeError:   # unhashable arguments: rejected by the checked way below
+            plan = None
+        if plan is not None and plan.direct is not None:
+            y = plan.direct_call(x, w, b)
+            if y is not None:
+                return y
     x = _host.host(x, "x")
     packed = w if isinstance(w, PackedWeight) else pack_nk(w)
     if len(x.shape) == 2 and x.shape[1] == packed.k:    # the common case: no reshape
@@ -178,15 +188,73 @@ def serial(flops: float, nbytes: int) -> bool:
 
 class _Plan:
     """One kind of problem (weight geometry and dtype, input dtype, output dtype, bias,
-    activation, blocking), validated once: its nest, output dtype and thread rule."""
+    activation, blocking), validated once: its nest, output dtype and thread rule; and for a
+    problem of one BRGEMM call per M (N within one panel, K in one chunk), `direct`: rows ->
+    the nest's own kernel for that many rows, called by direct_call without the nest."""
 
-    __slots__ = ("nest", "dt_out", "n", "serial_rows", "np_out")
+    __slots__ = ("nest", "dt_out", "n", "k", "serial_rows", "np_out", "direct", "np_in",
+                 "w_shape", "torch_out")
 
-    def __init__(self, nest, dt_out, n, k, weight_bytes):
-        self.nest, self.dt_out, self.n, self.np_out = nest, dt_out, n, dt_out.numpy
+    def __init__(self, nest, dt_out, n, k, weight_bytes, single=False):
+        self.nest, self.dt_out, self.n, self.k, self.np_out = nest, dt_out, n, k, dt_out.numpy
+        self.torch_out = None
         # the rows below which a call runs on one thread (serial() solved for M)
         self.serial_rows = 0 if not serial(0, weight_bytes) else \
             int(-(-_SERIAL_FLOPS // (2 * n * k)))
+        self.direct = self.np_in = self.w_shape = None
+        if single and _DATA_FIELD is not None:
+            self._direct_kernels()
+
+    def _direct_kernels(self):
+        """Fill `direct` from the nest's calls: each kernel computing all n columns over all k
+        for a row count R, dense (lda k, ldc n), one pair, in the nest's table."""
+        spec = self.nest.spec
+        plain = self.nest._plain
+        if not (len(spec.tensors) in (3, 4) and plain[2][0] == self.np_out
+                and (len(plain) == 3 or plain[3][0] == self.np_out)):
+            return
+        kernels = spec.kernel_specs()
+        base = self.nest._slots["kernels"]
+        direct = {}
+        for call in spec.calls:
+            ks = call.spec
+            counts = call.args[5:]
+            if (ks.n != self.n or ks.k != self.k or ks.lda != self.k or ks.ldc != self.n
+                    or ks.beta != 0 or any(not c.const == v or c.terms
+                                           for c, v in zip(counts, (1, 0, 0)))):
+                continue
+            address = int(self.nest._template[base + kernels.index(ks)])
+            direct.setdefault(ks.m, arrays.ffi.cast(_RAW_SIGNATURE, address))
+        if direct:
+            self.direct, self.np_in = direct, plain[0][0]
+            self.w_shape = tuple(spec.tensors[1].shape_at({}))
+
+    def direct_call(self, x, packed, bias):
+        """act(x @ packed + bias) by one kernel call for numpy x (R, k), R a row count of
+        `direct`, C-contiguous of the nest's dtype, packed.data and bias numpy arrays of the
+        nest's geometry (every check the nest makes; the output is new, so it overlaps
+        nothing); None for anything else (the nest's path then checks and explains)."""
+        shape = x.shape
+        if len(shape) != 2 or shape[1] != self.k:
+            return None
+        fn = self.direct.get(shape[0])
+        if fn is None or x.dtype != self.np_in or not x.flags.c_contiguous:
+            return None
+        data = packed.data
+        if (type(data) is not _NDARRAY or data.shape != self.w_shape
+                or data.dtype != self.np_in or not data.flags.c_contiguous):
+            return None
+        if bias is None:
+            pb = 0
+        elif (type(bias) is not _NDARRAY or bias.shape != (self.n,)
+              or bias.dtype != self.np_out or not bias.flags.c_contiguous):
+            return None
+        else:
+            pb = _DATA_FIELD(id(bias) + _DATA_OFFSET).value
+        out = np.empty((shape[0], self.n), self.np_out)
+        fn(_DATA_FIELD(id(x) + _DATA_OFFSET).value, _DATA_FIELD(id(data) + _DATA_OFFSET).value,
+           _DATA_FIELD(id(out) + _DATA_OFFSET).value, pb, 0, 1, 0, 0)
+        return out
 
     def run(self, a, packed, out, bias, name):
         """act(a @ packed + bias) into out (None: a new array of a's kind); a is C-contiguous
@@ -195,8 +263,14 @@ class _Plan:
         if bias is not None:
             bias = _host.contiguous(_host.host(bias, "bias"))
         if out is None:
-            out = np.empty((m, self.n), self.np_out) if type(a) is np.ndarray else \
-                _host.empty((m, self.n), self.dt_out, a)
+            if type(a) is _NDARRAY:
+                out = np.empty((m, self.n), self.np_out)
+            else:
+                tdt = self.torch_out
+                if tdt is None:
+                    import torch
+                    tdt = self.torch_out = getattr(torch, self.dt_out.torch_name)
+                out = _TORCH_EMPTY[0]((m, self.n), dtype=tdt)
         else:
             out = _host.host(out, "out")
             arrays.check_output_tensor(out, "out")
@@ -207,6 +281,21 @@ class _Plan:
         self.nest.call((a, packed.data, out) if bias is None else (a, packed.data, out, bias),
                        threads)
         return out
+
+
+_NDARRAY = np.ndarray
+_DATA_FIELD, _DATA_OFFSET = arrays._DATA_FIELD, arrays._DATA_OFFSET   # (arrays.address)
+_RAW_SIGNATURE = ("void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, "
+                  "intptr_t, intptr_t)")
+
+
+def _torch_empty(*args, **kw):
+    import torch
+    _TORCH_EMPTY[0] = torch.empty
+    return torch.empty(*args, **kw)
+
+
+_TORCH_EMPTY = [_torch_empty]
 
 
 _PLANS = LRU(256, "matmul_plans")   # problem -> _Plan
@@ -271,7 +360,8 @@ def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> 
     bl = choose_blocking(k, dt_out) if blocking is None else blocking
     bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
     nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
-    plan = _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize)
+    plan = _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize,
+                 single=bl.kc >= k and packed.n <= packed.bn)
     if key is not None:
         _PLANS[key] = plan
     return plan

@@ -105,16 +105,28 @@ def mlp_forward(x, w, b=None, activation=None, *, packed: PackedWeight | None = 
     """(y, Saved) for training; y has x's leading dimensions. packed as for mlp."""
     _host.reject_unknown(mlp_forward, unknown)
     x2, lead, w, b = _check(x, w, b, activation, packed)
-    pw = packed if packed is not None else pack_nk(w)
+    return forward_checked(x2, lead, w, b, activation,
+                           packed if packed is not None else pack_nk(w))
+
+
+def forward_checked(x2, lead, w, b, activation, pw):
+    """mlp_forward after its checks: x2 (M, K) C-contiguous rows, lead x's leading dims, w the
+    contiguous weight, b the bias or None, pw its PackedWeight. Without an activation y is
+    the GEMM's output (nothing else kept); f32 sigmoid and tanh (whose backward reads y) run in
+    the GEMM's epilogue; relu and gelu (and bf16, where torch rounds z to bf16 before the
+    activation) keep z and run the activation as a unary TPP."""
     n = w.shape[0]
-    if activation is None:
-        y = linear(x2, pw, b)
-        return y.reshape(*lead, n), Saved(x2, w, None, None, b is not None, lead)
-    z = linear(x2, pw, b)
-    y = _host.empty(z.shape, _host.dtype_of(z, "z"), z)
-    blocked.map_rows(activation, [z], y)
-    keep = z if _SECOND[activation] == "z" else y
-    return y.reshape(*lead, n), Saved(x2, w, keep, activation, b is not None, lead)
+    if activation is None or (_SECOND[activation] == "y" and pw.dtype == _dt.F32):
+        y = linear(x2, pw, b, activation)
+        keep = None if activation is None else y
+    else:
+        z = linear(x2, pw, b)
+        y = _host.empty(z.shape, _host.dtype_of(z, "z"), z)
+        blocked.map_rows(activation, [z], y)
+        keep = z if _SECOND[activation] == "z" else y
+    if len(lead) != 1:
+        y = y.reshape(*lead, n)
+    return y, Saved(x2, w, keep, activation, b is not None, lead)
 
 
 def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **unknown):

@@ -34,6 +34,7 @@ import ops as _ops
 from ops import _host
 from ops.matmul import ACTIVATIONS
 from ops.mlp import check_packed
+from ops.mlp import forward_checked as _forward_checked
 from tpp import checks
 from tpp.errors import ArgumentError, UnsupportedError
 
@@ -121,9 +122,22 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, packed):
-        if not any(ctx.needs_input_grad[:3]):
+        if type(packed) is _Checked:    # from _linear: x, weight, bias, packed validated
+            packed = packed.packed
+            if not any(ctx.needs_input_grad[:3]):
+                return _plain(_ops.linear(x, packed, bias, activation))
+            k = weight.shape[1]
+            if x.dim() == 2:
+                lead = (x.shape[0],)
+                x2 = x if x.is_contiguous() else x.contiguous()
+            else:
+                x2, lead = _host.rows(x, k, "input")
+            y, saved = _forward_checked(x2, lead, weight if weight.is_contiguous() else
+                                        weight.contiguous(), bias, activation, packed)
+        elif not any(ctx.needs_input_grad[:3]):
             return _plain(_ops.linear(x, _packed(packed, weight), bias, activation))
-        y, saved = _ops.mlp_forward(x, weight, bias, activation, packed=packed)
+        else:
+            y, saved = _ops.mlp_forward(x, weight, bias, activation, packed=packed)
         y = _plain(y)
         ctx.activation = activation
         ctx.tpp_saved = saved
@@ -170,20 +184,33 @@ def linear(x, weight, bias=None, activation=None, *, packed=None, **unknown):
     current values)."""
     _host.reject_unknown(linear, unknown)
     _check(x, weight, bias, activation, packed)
-    return _linear(x, weight, bias, activation, lambda: packed)
+    return _linear(x, weight, bias, activation, lambda _weight: packed)
 
 
 def _linear(x, weight, bias, activation, pack):
     """The checked call: torch ops when there is nothing to multiply, else the TPP nests, with
-    autograd's Function when a gradient is wanted. pack() gives the packed weight (or None),
-    called only when the nests run (an empty weight cannot be packed)."""
+    autograd's Function when a gradient is wanted. pack(weight) gives the packed weight (or
+    None), called only when the nests run (an empty weight cannot be packed)."""
     if x.numel() == 0 or weight.numel() == 0:
         return _torch_linear(x, weight, bias, activation)
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                          (bias is not None and bias.requires_grad))
     if not grad:    # validated above (_check): straight to the packed GEMM
-        return _plain(_ops.linear(x, _packed(pack(), weight), bias, activation))
-    return LinearFunction.apply(x, weight, bias, activation, pack())
+        return _plain(_ops.linear(x, _packed(pack(weight), weight), bias, activation))
+    packed = pack(weight)
+    return LinearFunction.apply(x, weight, bias, activation,
+                                _Checked(packed if packed is not None else
+                                         _ops.pack_nk(weight.detach())))
+
+
+class _Checked:
+    """A PackedWeight that _linear hands LinearFunction after validating the call (x, weight,
+    bias, activation, packed): its forward then skips the checks mlp_forward makes."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
 
 
 class Linear(torch.nn.Module):
@@ -228,7 +255,10 @@ class Linear(torch.nn.Module):
 
     def packed_weight(self):
         """The weight packed for the GEMM nests, repacked only when the weight changed."""
-        w = self.weight
+        return self._packed_of(self.weight)
+
+    def _packed_of(self, w):
+        """packed_weight() for w, the layer's weight (read once by the caller)."""
         key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(w.stride()))
         cache = self._packed_cache
         if cache is not None and cache[0] == key:
@@ -239,8 +269,10 @@ class Linear(torch.nn.Module):
         return packed
 
     def forward(self, x):
-        _check(x, self.weight, self.bias, self.activation)     # before packing the weight
-        return _linear(x, self.weight, self.bias, self.activation, self.packed_weight)
+        # each parameter read once (Module.__getattr__ costs ~0.3 us a read)
+        weight, bias, activation = self.weight, self.bias, self.activation
+        _check(x, weight, bias, activation)     # before packing the weight
+        return _linear(x, weight, bias, activation, self._packed_of)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
