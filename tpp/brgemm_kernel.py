@@ -27,8 +27,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tpp_cpu import backend as cpu_backend
-
 from . import arrays
 from . import checks
 from .checks import reject_unknown_call
@@ -97,7 +95,8 @@ class BrgemmKernel(KernelBase):
     def _variant(self, lds: tuple):
         fn = self._variants.get(lds)
         if fn is None:
-            fn = arrays.ffi.cast(_SIGNATURE, cpu_backend.compile(self._spec_for(lds)).address)
+            from tpp_cpu import backend     # the core imports a backend only to compile
+            fn = arrays.ffi.cast(_SIGNATURE, backend.compile(self._spec_for(lds)).address)
             self._variants[lds] = fn
         return fn
 

@@ -21,8 +21,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tpp_cpu import backend as cpu_backend   # imports no LLVM: that happens on first compile
-
 from . import arrays
 from .checks import reject_unknown_call
 from .errors import ArgumentError
@@ -62,7 +60,8 @@ class KernelBase:
                                 f"(or None for this host's), got {isa!r}")
         from tpp_cpu import target
         tgt = target.current() if isa is None else target.make_target(isa)
-        return cpu_backend.dump(self.spec, what, tgt)
+        from tpp_cpu import backend
+        return backend.dump(self.spec, what, tgt)
 
 
 class _Plan(NamedTuple):
@@ -114,7 +113,8 @@ class Kernel(KernelBase):
 
     # ------------------------------------------------------------ compilation
     def _compiled(self, spec):
-        return cpu_backend.compile(spec)
+        from tpp_cpu import backend     # the core imports a backend only to compile
+        return backend.compile(spec)
 
     def _signature(self, ctype: str) -> str:
         args = [ctype] * len(self._operands) + (["int64_t"] if self._needs_seed else [])
