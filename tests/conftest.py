@@ -10,6 +10,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _MADE = []   # the directory this process made for the run in progress
 
 
@@ -26,3 +28,13 @@ def pytest_unconfigure(config):
         if os.environ.get("TPP_CACHE_DIR") == path:
             del os.environ["TPP_CACHE_DIR"]
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """Every test starts from the environment's thread count, whatever the last one set."""
+    try:
+        yield
+    finally:
+        import tpp      # imported here: TPP_CACHE_DIR must be set before tpp loads
+        tpp.set_num_threads(None)

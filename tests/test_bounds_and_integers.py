@@ -19,14 +19,6 @@ from tpp.spec import make_binary
 INC = tpp.unary("increment", 1, 1)
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    try:
-        yield
-    finally:
-        tpp.set_num_threads(None)
-
-
 @pytest.fixture
 def no_kernel_runs(monkeypatch):
     """Compiled BRGEMM variants and nests fail the test instead of running."""

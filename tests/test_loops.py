@@ -21,14 +21,6 @@ COPY = tpp.unary("identity", 1, 1)
 THREADS = (1, 2, 3)
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    try:
-        yield
-    finally:
-        tpp.set_num_threads(None)
-
-
 def _walk(order, loops, k=0, vals=None):
     """The loop values the body sees, in sequential execution order (a model of the spec)."""
     vals = {} if vals is None else vals
