@@ -16,6 +16,7 @@ from .errors import ArgumentError, CompileError, SpecError, TPPError, Unsupporte
 from .brgemm_kernel import BrgemmKernel
 from .brgemm_spec import BrgemmSpec, make_brgemm
 from .kernel import Kernel
+from .equations import Equation, EquationKernel, EquationSpec
 from .loop_spec import Loop
 from .loops import LoopNest, size
 from .optable import BINARY_OPS, UNARY_OPS
@@ -27,6 +28,7 @@ __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "Brgemm
            "UnarySpec", "BinarySpec", "BrgemmSpec", "make_brgemm", "TPPError", "SpecError",
            "ArgumentError", "UnsupportedError", "CompileError",
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest", "size",
+           "equation", "Equation", "EquationKernel", "EquationSpec",
            "get_num_threads", "set_num_threads", "clear_caches", "cache_info"]
 
 
@@ -46,7 +48,14 @@ def set_num_threads(n):
 @functools.lru_cache(maxsize=4096)
 def kernel(spec) -> Kernel:
     """The Kernel of a spec; one per spec per process."""
+    if spec.family == "equation":
+        return EquationKernel(spec)
     return BrgemmKernel(spec) if spec.family == "brgemm" else Kernel(spec)
+
+
+def equation(m, n) -> Equation:
+    """A new equation over an (m, n) block; see the tpp.equations module docstring."""
+    return Equation(m, n)
 
 
 def unary(op, m, n, *, ldi=None, ldo=None, dtype_in="f32", dtype_out=None, dtype_comp="f32",

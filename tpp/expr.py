@@ -333,8 +333,9 @@ def reduce(op: str, x, axis: int) -> Node:
 
 
 # ---------------------------------------------------------------- graph utilities
-def topological(outputs) -> list:
-    """Every node the outputs depend on, each once, arguments before their users."""
+def topological(outputs, stop=None) -> list:
+    """Every node the outputs depend on, each once, arguments before their users. `stop`
+    (a predicate) marks nodes whose arguments are not visited (they are listed themselves)."""
     order, seen = [], set()
     stack = [(n, False) for n in reversed(list(outputs))]
     while stack:
@@ -346,6 +347,8 @@ def topological(outputs) -> list:
             order.append(n)
             continue
         stack.append((n, True))
+        if stop is not None and stop(n):
+            continue
         for a in reversed(n.args):
             if id(a) not in seen:
                 stack.append((a, False))

@@ -26,7 +26,7 @@ from .checks import reject_unknown_call
 from .errors import ArgumentError
 from .lru import LRU, VARIANTS_PER_KERNEL
 
-_INPLACE_KINDS = ("map", "map_inv", "compare")
+_INPLACE_KINDS = ("map", "map_inv", "compare", "equation")
 _CPU_DUMPS, _CUDA_DUMPS = ("asm", "ir", "opt"), ("cuda", "ptx", "sass")
 _CPU_ISAS = ("avx512", "avx2")
 
@@ -81,6 +81,7 @@ class Kernel(KernelBase):
         self._input_idx = [k for k, o in enumerate(self._operands) if o.role == "in"]
         self._output_idx = [k for k, o in enumerate(self._operands) if o.role != "in"]
         self._needs_seed = spec.scalars == ("seed",)
+        self._seed_user = "dropout" if spec.family != "equation" else "this equation"
         self._own_lds = tuple(o.ld for o in self._operands)
         self._variants = LRU(VARIANTS_PER_KERNEL, "variants")   # lds -> C function (ints)
         self._raw = None
@@ -167,7 +168,12 @@ class Kernel(KernelBase):
             result = fast(inputs, out)
             if result is not None:
                 return result
-        return self._call_checked(inputs, out, mask, seed)
+        outputs = {}
+        if out is not None:
+            outputs["out"] = out
+        if mask is not None:
+            outputs["mask"] = mask
+        return self._call_checked(inputs, outputs, seed)
 
     def _make_fastcall(self, fn):
         """A closure for the common call (see _fast_plan) in as few Python operations as
@@ -246,19 +252,19 @@ class Kernel(KernelBase):
             return out
         return fast2
 
-    def _call_checked(self, inputs, out, mask, seed):
-        """The call of any arrays, with every check. What follows from the arrays' signatures
-        (dtypes, shapes, strides, devices: the lds) is decided once per signature (_plan);
-        what depends on the arrays themselves is checked on every call: the outputs'
-        writability and autograd state, overlap, index ranges."""
+    def _call_checked(self, inputs, outputs: dict, seed):
+        """The call of any arrays, with every check; outputs maps the names of the outputs the
+        caller passed to their arrays. What follows from the arrays' signatures (dtypes,
+        shapes, strides, devices: the lds) is decided once per signature (_plan); what depends
+        on the arrays themselves is checked on every call: the outputs' writability and
+        autograd state, overlap, index ranges."""
         operands = self._operands
         if len(inputs) != len(self._input_idx):
             raise ArgumentError(f"{self.spec.op} takes {len(self._input_idx)} input array(s) "
                                 f"({', '.join(self.input_names)}), got {len(inputs)}")
-        if out is not None and "out" not in self.output_names:
-            raise ArgumentError(f"{self.spec.op} has no output named 'out'")
-        if mask is not None and "mask" not in self.output_names:
-            raise ArgumentError(f"{self.spec.op} has no output named 'mask'")
+        for name in outputs:
+            if name not in self.output_names:
+                raise ArgumentError(f"{self.spec.op} has no output named {name!r}")
         if self._needs_seed:
             scalars = (self._seed(seed),)
         elif seed is not None:
@@ -271,7 +277,7 @@ class Kernel(KernelBase):
             bound[k] = arrays.as_array(obj, operands[k].name)
         user_outputs = []
         for k in self._output_idx:
-            obj = out if operands[k].name == "out" else mask
+            obj = outputs.get(operands[k].name)
             if obj is not None:
                 bound[k] = arrays.as_array(obj, operands[k].name)
                 user_outputs.append(k)
@@ -319,11 +325,10 @@ class Kernel(KernelBase):
         fn = self._variant(lds) if device is None else None
         return _Plan(tuple(layouts), lds, device, use_torch, fn)
 
-    @staticmethod
-    def _seed(seed) -> int:
-        """dropout's seed as the int64 the kernel takes (any integer, wrapped to 64 bits)."""
+    def _seed(self, seed) -> int:
+        """The seed as the int64 the kernel takes (any integer, wrapped to 64 bits)."""
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise ArgumentError(f"dropout needs an integer seed=..., got {seed!r}")
+            raise ArgumentError(f"{self._seed_user} needs an integer seed=..., got {seed!r}")
         seed = int(seed) & 0xFFFFFFFFFFFFFFFF
         return seed - (1 << 64) if seed >= 1 << 63 else seed
 

@@ -139,7 +139,7 @@ class LoopNest:
                 raise SpecError(f"operands are tensor addresses such as A[i, j], got {a!r}")
         if getattr(spec, "family", None) == "brgemm":
             args = self._brgemm_args(spec, operands, count, stride_a, stride_b, bias, mask)
-        elif getattr(spec, "family", None) in ("unary", "binary"):
+        elif getattr(spec, "family", None) in ("unary", "binary", "equation"):
             ops = spec.operands()
             if len(operands) != len(ops):
                 raise SpecError(f"{spec.op} takes {len(ops)} operands "
@@ -502,7 +502,7 @@ def _learn_torch() -> bool:
     return True
 
 
-_IN_PLACE_KINDS = ("map", "map_inv", "compare")
+_IN_PLACE_KINDS = ("map", "map_inv", "compare", "equation")
 
 
 def _aliasable_pairs(spec: LoopNestSpec, written) -> frozenset:

@@ -34,6 +34,7 @@ _GENERATORS = {
     "gather": "transform", "scatter": "transform",
     "brgemm": "brgemm",
     "loopnest": "loopnest",
+    "equation": "equation",
 }
 
 

@@ -29,7 +29,8 @@ def render(outputs, b: ir.IRBuilder, w: int, leaf, memo: dict | None = None) -> 
     """The values of `outputs` (see the module docstring). `memo` (node -> value) may be
     shared between calls that emit into the same basic block, to reuse values."""
     memo = {} if memo is None else memo
-    for nd in X.topological(outputs):
+    # values in memo, and reductions (which leaf() supplies), are not rendered from their args
+    for nd in X.topological(outputs, lambda nd: nd in memo or nd.op in X.REDUCTIONS):
         if nd not in memo:
             memo[nd] = _emit(nd, b, w, leaf, memo)
     return [memo[o] for o in outputs]
@@ -37,13 +38,13 @@ def render(outputs, b: ir.IRBuilder, w: int, leaf, memo: dict | None = None) -> 
 
 def _emit(nd, b, w, leaf, memo):
     op = nd.op
-    a = [memo[x] for x in nd.args]
     if op == "const":
         return const(vec(F32, w), X.const_value(nd))
     if op == "iconst":
         return const(vec(I32, w), nd.attr[0])
     if op in X.LEAVES or op in X.REDUCTIONS:
         return leaf(nd)
+    a = [memo[x] for x in nd.args]
     if op in _FBIN:
         return getattr(b, _FBIN[op])(*a)
     if op == "fma":

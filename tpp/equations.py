@@ -1,0 +1,396 @@
+"""Equations: a graph of element-wise ops and reductions over one (m, n) block, compiled into
+one kernel whose intermediates never leave registers.
+
+    eq = tpp.equation(m, n)
+    x, g, b = eq.input("x"), eq.input("g", bcast="row"), eq.input("b", bcast="row")
+    mu = eq.mean(x, axis=1)                     # a column of m values, broadcast when used
+    xc = x - mu
+    y = xc * eq.rsqrt(eq.mean(xc * xc, axis=1) + eq.param("eps")) * g + b
+    ln = eq.compile(y, mu=mu)                   # outputs: "out" (positional), "mu"
+    res = ln(x=x_block, g=gamma, b=beta, eps=1e-5)
+    res.out, res.mu                             # a named tuple; one output: the array itself
+
+The values of an equation are `tpp.expr` nodes: combine them with + - * / and the methods of
+`Equation` (math, comparisons, reductions, `op(name, ...)` for any element-wise TPP of the op
+table). Inputs have a dtype (f32, bf16, f16; widened exactly to f32) and a broadcast (None: an
+(m, n) block with any row stride; "row": n values; "col": m values; "scalar": one value);
+`mask(name)` is a bitmask input (the library's layout, tpp.spec) read as a predicate;
+`param(name)` a runtime f32 scalar (a Python number at the call). Reductions (`sum`, `mean`,
+`max`, `min`) along axis 1 give a column of m values, along axis 0 a row of n values.
+
+Outputs are named: positional ones "out", "out1", ...; keywords by their name. Each is stored
+in the output's dtype (`dtypes={"out": "bf16"}`; default: the dtype shared by the block inputs,
+else f32; reductions' results default to f32) with the shape of its node: (m, n), (m,) for a
+column, (n,) for a row, (1,) for a scalar; a predicate is stored as a bitmask.
+
+Semantics: f32 arithmetic node by node (tpp.expr); reductions sum in f32 in an unspecified
+order; transcendentals as stated in tpp.mathlib. `tpp.reference.run(spec, ...)` evaluates the
+same graph exactly in float64 (tpp.expr_eval) and rounds each output once. A compiled equation
+is a TPP like the others: cached by its spec (the graph's canonical text is part of the key),
+`dump()`-able, and callable inside loop nests (`nest.call(kernel, *addresses)`, operands in
+`spec.operands()` order: inputs, params (as one-value tensors), outputs).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import checks
+from . import dtypes as _dt
+from . import expr as X
+from .errors import ArgumentError, SpecError
+from .kernel import Kernel
+from .optable import OpInfo
+from .spec import Operand, mask_bytes
+
+_BCAST_SHAPE = {None: "block", "row": "row", "col": "col", "scalar": "scalar"}
+_INFO = OpInfo("equation", "equation", "equation", doc="a compiled tpp.equation")
+MAX_STAGE_ELEMENTS = 1 << 16   # an axis-0 reduction keeps n (an axis-1 one m) f32 on the stack
+
+
+class Equation:
+    """The builder of one equation over an (m, n) block (see the module docstring)."""
+
+    def __init__(self, m, n):
+        self.m = checks.integer(m, "m", minimum=1)
+        self.n = checks.integer(n, "n", minimum=1)
+        self._inputs: dict = {}      # name -> (node, layout, dtype)
+        self._params: dict = {}      # name -> node
+
+    # ------------------------------------------------------------ leaves
+    def _new_name(self, name):
+        if not isinstance(name, str) or not name.isidentifier():
+            raise SpecError(f"equation names are identifiers, got {name!r}")
+        if name in self._inputs or name in self._params or name == "seed":
+            raise SpecError(f"{name!r} is already a name in this equation")
+        return name
+
+    def input(self, name: str, *, dtype="f32", bcast=None) -> X.Node:
+        """An input of the given dtype; bcast None (a block), "row", "col" or "scalar"."""
+        self._new_name(name)
+        if bcast not in _BCAST_SHAPE:
+            raise SpecError(f"bcast must be one of None, 'row', 'col', 'scalar', got {bcast!r}")
+        dt = _dt.float_dtype(dtype, f"dtype of {name!r}")
+        shape = _BCAST_SHAPE[bcast]
+        nd = X.input(name, shape)
+        self._inputs[name] = (nd, "block" if bcast is None else bcast, dt)
+        return nd
+
+    def mask(self, name: str) -> X.Node:
+        """A bitmask input of the block (tpp.spec's mask layout), as a predicate."""
+        self._new_name(name)
+        nd = X.maskbit(name)
+        self._inputs[name] = (nd, "mask", _dt.U8)
+        return nd
+
+    def param(self, name: str) -> X.Node:
+        """A runtime f32 scalar, given as a number (or one-value array) at each call."""
+        self._new_name(name)
+        nd = X.param(name)
+        self._params[name] = nd
+        return nd
+
+    # ------------------------------------------------------------ reductions
+    def sum(self, x, axis=1):
+        return X.reduce("rsum", x, self._axis(axis))
+
+    def mean(self, x, axis=1):
+        axis = self._axis(axis)
+        return X.reduce("rsum", x, axis) / X.extent(axis)
+
+    def max(self, x, axis=1):
+        return X.reduce("rmax", x, self._axis(axis))
+
+    def min(self, x, axis=1):
+        return X.reduce("rmin", x, self._axis(axis))
+
+    @staticmethod
+    def _axis(axis):
+        if axis not in (0, 1) or isinstance(axis, bool):
+            raise SpecError(f"axis must be 0 (over the rows) or 1 (over the columns), "
+                            f"got {axis!r}")
+        return axis
+
+    # ------------------------------------------------------------ math
+    @staticmethod
+    def exp(x): return X.prim("exp", x)
+    @staticmethod
+    def log(x): return X.prim("log", x)
+    @staticmethod
+    def tanh(x): return X.prim("tanh", x)
+    @staticmethod
+    def sigmoid(x): return X.prim("sigmoid", x)
+    @staticmethod
+    def erf(x): return X.prim("erf", x)
+    @staticmethod
+    def sqrt(x): return X.sqrt(x)
+    @staticmethod
+    def rsqrt(x): return 1.0 / X.sqrt(x)
+    @staticmethod
+    def abs(x): return X.fabs(x)
+    @staticmethod
+    def maximum(a, b): return X.maximum(a, b)
+    @staticmethod
+    def minimum(a, b): return X.minimum(a, b)
+    @staticmethod
+    def fma(a, b, c): return X.fma(a, b, c)
+    @staticmethod
+    def where(cond, a, b): return X.select(cond, a, b)
+
+    @staticmethod
+    def gelu(x, approximate="none"):
+        if approximate not in ("none", "tanh"):
+            raise SpecError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        return X.prim("gelu" if approximate == "none" else "gelu_tanh", x)
+
+    @staticmethod
+    def relu(x):
+        return X.select(x <= 0.0, 0.0, x)
+
+    def op(self, name: str, *args, **params):
+        """The element-wise TPP `name` of the op table applied to args (its single
+        definition, tpp.optable); returns its output node (a tuple when it has several)."""
+        from . import optable
+        for family in ("unary", "binary"):
+            table = optable.UNARY_OPS if family == "unary" else optable.BINARY_OPS
+            if name in table:
+                info = table[name]
+                break
+        else:
+            raise SpecError(f"unknown element-wise op {name!r}")
+        define = getattr(info, "expr", None)
+        if define is None:
+            raise SpecError(f"op {name!r} has no element-wise definition to use in an equation")
+        p = dict(optable.check_params(info, params))
+        return define(*args, p)
+
+    # ------------------------------------------------------------ compile
+    def spec(self, *outputs, dtypes=None, **named) -> "EquationSpec":
+        """The EquationSpec of these outputs (see compile)."""
+        outs = [(("out" if k == 0 else f"out{k}"), nd) for k, nd in enumerate(outputs)]
+        outs += list(named.items())
+        if not outs:
+            raise SpecError("an equation needs at least one output")
+        dtypes = dict(dtypes or {})
+        names = [name for name, _ in outs]
+        unknown = set(dtypes) - set(names)
+        if unknown:
+            raise SpecError(f"dtypes= names no output: {sorted(unknown)}")
+        for name, nd in outs:
+            if not isinstance(nd, X.Node):
+                raise SpecError(f"output {name!r} must be an expression node, got {nd!r}")
+            if nd.kind == "i32":
+                raise SpecError(f"output {name!r} is an integer expression; store f32 or "
+                                f"a predicate")
+            if name in self._inputs or name in self._params:
+                raise SpecError(f"output name {name!r} is already an input's")
+            if not name.isidentifier():
+                raise SpecError(f"output names are identifiers, got {name!r}")
+        nodes = [nd for _, nd in outs]
+        used = {n.attr[0] for n in X.topological(nodes) if n.op in ("input", "maskbit", "param")}
+        known = set(self._inputs) | set(self._params)
+        foreign = used - known
+        if foreign:
+            raise SpecError(f"the outputs use {sorted(foreign)}, which are not inputs of this "
+                            f"equation")
+        for n in X.topological(nodes):
+            if n.op == "input" and self._inputs[n.attr[0]][0] is not n:
+                raise SpecError(f"input {n.attr[0]!r} is used with another broadcast than "
+                                f"it was declared with")
+        block_dts = {dt for _, layout, dt in self._inputs.values() if layout == "block"}
+        default = block_dts.pop() if len(block_dts) == 1 else _dt.F32
+        out_specs = []
+        for name, nd in outs:
+            if nd.kind == "bool":
+                if nd.shape != "block":
+                    raise SpecError(f"a predicate output ({name!r}) must vary over the block")
+                if name in dtypes:
+                    raise SpecError(f"output {name!r} is a bitmask; it takes no dtype")
+                out_specs.append((name, "mask", _dt.U8, 0))
+                continue
+            layout = {"block": "block", "col": "col", "row": "vector", "scalar": "scalar"}[nd.shape]
+            want = default if nd.shape == "block" else _dt.F32
+            dt = _dt.float_dtype(dtypes.get(name, want), f"dtype of output {name!r}")
+            out_specs.append((name, layout, dt, self.n if layout == "block" else 0))
+        ins = tuple((name, layout, dt, self.n if layout == "block" else 0)
+                    for name, (_, layout, dt) in self._inputs.items())
+        uses_seed = any(n.op == "seed" for n in X.topological(nodes))
+        return EquationSpec(self.m, self.n, ins, tuple(self._params), tuple(out_specs),
+                            graph_text(nodes), uses_seed, tuple(nodes))
+
+    def compile(self, *outputs, dtypes=None, **named) -> "EquationKernel":
+        """The kernel computing the outputs (compiled on its first call, or by .compile())."""
+        return equation_kernel(self.spec(*outputs, dtypes=dtypes, **named))
+
+
+def graph_text(outputs) -> str:
+    """A canonical text of the graph behind the outputs (stable across processes)."""
+    order = X.topological(outputs)
+    index = {nd: k for k, nd in enumerate(order)}
+    parts = []
+    for nd in order:
+        attr = ",".join(a.hex() if isinstance(a, bytes) else repr(a) for a in nd.attr)
+        args = ",".join(str(index[a]) for a in nd.args)
+        parts.append(f"{nd.op}[{args}]({attr}){nd.kind[0]}{nd.shape[0]}")
+    parts.append("->" + ",".join(str(index[o]) for o in outputs))
+    return ";".join(parts)
+
+
+@dataclass(frozen=True)
+class EquationSpec:
+    m: int
+    n: int
+    inputs: tuple        # (name, layout, dtype, ld) per input: block/row/col/scalar/mask
+    params: tuple        # names of the runtime f32 scalars
+    outputs: tuple       # (name, layout, dtype, ld) per output: block/col/vector/scalar/mask
+    graph: str           # graph_text of the output nodes
+    uses_seed: bool
+    nodes: tuple = field(compare=False, repr=False, default=())
+    family = "equation"
+    op = "equation"
+    kind = "equation"
+    info = _INFO
+    params_items = ()
+
+    def key(self) -> str:
+        ins = ";".join(f"{n}:{lay}:{dt}:{ld}" for n, lay, dt, ld in self.inputs)
+        outs = ";".join(f"{n}:{lay}:{dt}:{ld}" for n, lay, dt, ld in self.outputs)
+        return (f"equation(m={self.m},n={self.n},inputs={ins},params={','.join(self.params)},"
+                f"outputs={outs},graph={self.graph})")
+
+    @property
+    def scalars(self) -> tuple:
+        return ("seed",) if self.uses_seed else ()
+
+    def operands(self) -> tuple:
+        m, n = self.m, self.n
+        ops = []
+        for name, layout, dt, ld in self.inputs:
+            if layout == "block":
+                ops.append(Operand(name, "in", "block", dt, m, n, ld, f"ld:{name}"))
+            elif layout == "mask":
+                ops.append(Operand(name, "in", "mask", _dt.U8, m, mask_bytes(n)))
+            elif layout == "row":
+                ops.append(Operand(name, "in", "row", dt, 1, n))
+            elif layout == "col":
+                ops.append(Operand(name, "in", "col", dt, m, 1))
+            else:
+                ops.append(Operand(name, "in", "scalar", dt, 1, 1))
+        for name in self.params:
+            ops.append(Operand(name, "in", "scalar", _dt.F32, 1, 1))
+        for name, layout, dt, ld in self.outputs:
+            if layout == "block":
+                ops.append(Operand(name, "out", "block", dt, m, n, ld, f"ld:{name}"))
+            elif layout == "mask":
+                ops.append(Operand(name, "out", "mask", _dt.U8, m, mask_bytes(n)))
+            elif layout == "col":
+                ops.append(Operand(name, "out", "col", dt, m, 1))
+            elif layout == "vector":
+                ops.append(Operand(name, "out", "vector", dt, 1, n))
+            else:
+                ops.append(Operand(name, "out", "vector", dt, 1, 1))
+        return tuple(ops)
+
+    def replace(self, **changes):
+        """The spec with other lds: keywords "ld:<operand name>" (what Kernel passes)."""
+        lds = {k[3:]: v for k, v in changes.items() if k.startswith("ld:")}
+        rest = {k: v for k, v in changes.items() if not k.startswith("ld:")}
+        ins = tuple((nm, lay, dt, lds.get(nm, ld)) for nm, lay, dt, ld in self.inputs)
+        outs = tuple((nm, lay, dt, lds.get(nm, ld)) for nm, lay, dt, ld in self.outputs)
+        return dataclasses.replace(self, inputs=ins, outputs=outs, **rest)
+
+    def __post_init__(self):
+        for op in self.operands():
+            op.check_addressable()
+
+    # ------------------------------------------------------------ reference
+    def reference(self, *arrays, seed=None):
+        """The outputs computed exactly (float64, tpp.expr_eval) from the operands' arrays
+        (inputs, then params, in operands() order), each rounded once to f32 and then to its
+        dtype; one array, or a tuple in output order."""
+        from . import expr_eval, reference
+        ins = [o for o in self.operands() if o.role == "in"]
+        if len(arrays) != len(ins):
+            raise ArgumentError(f"the equation takes {len(ins)} inputs "
+                                f"({', '.join(o.name for o in ins)}), got {len(arrays)}")
+        inputs, params, masks = {}, {}, {}
+        for op, arr in zip(ins, arrays):
+            if op.name in self.params:
+                params[op.name] = float(np.asarray(arr, np.float64).reshape(()))
+            elif op.layout == "mask":
+                masks[op.name] = reference.unpack_mask(arr, self.n)
+            else:
+                inputs[op.name] = np.asarray(arr).astype(np.float64)
+        values = expr_eval.evaluate(self.nodes, self.m, self.n, inputs=inputs, params=params,
+                                    masks=masks, seed=seed)
+        results = []
+        for (name, layout, dt, _), value in zip(self.outputs, values):
+            if layout == "mask":
+                results.append(reference.pack_mask(np.asarray(value, bool)))
+                continue
+            with np.errstate(all="ignore"):
+                v = np.asarray(value, np.float64).astype(np.float32).astype(dt.numpy)
+            results.append(v.reshape(-1) if layout != "block" else np.ascontiguousarray(v))
+        return results[0] if len(results) == 1 else tuple(results)
+
+
+class EquationKernel(Kernel):
+    """A compiled equation: call it with its inputs and params by name (or positionally in
+    spec.operands() order), outputs given by name to write into existing arrays, seed= when
+    the equation draws random bits. Returns the output array, or a named tuple of them."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._in_names = self.input_names
+        self._params = set(spec.params)
+        self._result = collections.namedtuple("EquationResult", self.output_names) \
+            if len(self.output_names) > 1 else None
+
+    def __call__(self, *args, seed=None, **named):
+        names = self._in_names
+        if len(args) > len(names):
+            raise ArgumentError(f"the equation takes {len(names)} inputs ({', '.join(names)}), "
+                                f"got {len(args)} positional arguments")
+        given = dict(zip(names, args))
+        outputs = {}
+        for key, value in named.items():
+            if key in self._in_names:
+                if key in given:
+                    raise ArgumentError(f"input {key!r} given twice")
+                given[key] = value
+            elif key in self.output_names:
+                outputs[key] = value
+            else:
+                raise ArgumentError(f"the equation has no input or output named {key!r}; "
+                                    f"inputs: {', '.join(names)}; outputs: "
+                                    f"{', '.join(self.output_names)}")
+        missing = [nm for nm in names if nm not in given]
+        if missing:
+            raise ArgumentError(f"missing input(s) {', '.join(missing)}")
+        inputs = []
+        for nm in names:
+            value = given[nm]
+            if nm in self._params:
+                value = _scalar(value, nm)
+            inputs.append(value)
+        result = self._call_checked(tuple(inputs), outputs, seed)
+        if self._result is not None:
+            return self._result(*result)
+        return result
+
+
+def _scalar(value, name):
+    if isinstance(value, bool):
+        raise ArgumentError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, (int, float, np.floating, np.integer)):
+        return np.full((), value, np.float32)
+    return value
+
+
+def equation_kernel(spec: EquationSpec) -> EquationKernel:
+    """The kernel of an equation spec, one per spec per process (tpp.kernel's cache)."""
+    import tpp
+    return tpp.kernel(spec)
