@@ -164,12 +164,18 @@ def _load_cached(disk, key, symbols, target):
 # dump("asm") and tpp-bench brgemm) at a fraction of the compile time. The other families get
 # O3 with its vectorizers.
 _LIGHT_FAMILIES = ("brgemm", "loopnest")
+# Equations emit vector code unrolled as far as they want: O3 without LLVM's unroller, which
+# would unroll a row's passes completely and then keep the row's loads in (spilled) registers
+# from one pass to the next, and without the vectorizers.
+_UNROLLED_FAMILIES = ("equation",)
 
 
 def _optimize(spec, module_ir, target):
     """The optimised ModuleRef of spec's IR (an llvmlite.ir module)."""
     if spec.family in _LIGHT_FAMILIES:
         return jit.optimize(module_ir, target, passes=jit.LIGHT)
+    if spec.family in _UNROLLED_FAMILIES:
+        return jit.optimize(module_ir, target, vectorize=False)
     return jit.optimize(module_ir, target)
 
 

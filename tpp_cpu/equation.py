@@ -9,8 +9,8 @@ inputs instead of storing intermediates), and the last pass evaluates the output
 
 Two schedules:
   rowwise  every reduction is along axis 1 of a block: for each row, the passes run over that
-           row alone (it stays in L1 between them), accumulators in registers (two vectors per
-           reduction, one per unrolled chunk, combined and reduced horizontally once).
+           row alone (it stays in L1 between them), accumulators in registers (UNROLL vectors
+           per reduction, one per unrolled vector, combined and reduced horizontally once).
   general  any other mix: each pass runs over the whole block; an axis-0 result (n values) and
            an axis-1 result (m values) live in stack arrays, a scalar result in one slot.
 
@@ -32,6 +32,7 @@ from . import expr_llvm, irx
 from .irx import F32, I32, const, i64, vec
 
 _IDENTITY = {"rsum": -0.0, "rmax": -math.inf, "rmin": math.inf}
+UNROLL = 4      # vectors per step of a rowwise reduction loop, each with its own accumulator
 
 
 def _levels(order) -> dict:
@@ -49,6 +50,15 @@ def _combine(b, op, x, y):
     name = "llvm.maximum" if op == "rmax" else "llvm.minimum"
     fn = irx.intrinsic(b.module, name, x.type, [x.type, y.type])
     return b.call(fn, [x, y], fastmath=("nsz",))
+
+
+def _tree(b, op, values):
+    """Combine accumulators pairwise."""
+    values = list(values)
+    while len(values) > 1:
+        values = [_combine(b, op, values[k], values[k + 1]) if k + 1 < len(values)
+                  else values[k] for k in range(0, len(values), 2)]
+    return values[0]
 
 
 def _horizontal(b, op, v):
@@ -188,38 +198,39 @@ class _Gen:
         return True
 
     def rowwise_level(self, row, memo, reds):
-        """Accumulate this level's reductions over one row (two accumulators each); put their
-        splatted results into memo."""
-        b, w = self.b, self.w
+        """Accumulate this level's reductions over one row (UNROLL accumulators each, one per
+        vector of an unrolled step); put their splatted results into memo."""
+        b, w, k = self.b, self.w, len(reds)
         args = [r.args[0] for r in reds]
-        init = [const(vec(F32, w), _IDENTITY[r.op]) for r in reds]
-        accs = init + init
-        pairs = self.full // 2
-        if pairs:
-            with irx.for_carry(b, pairs * 2 * w, accs, step=2 * w, name="red") as state:
-                col = state.index
-                v0 = self.render(args, dict(memo), row, col)
-                v1 = self.render(args, dict(memo), row, b.add(col, i64(w)))
-                k = len(reds)
-                state.values = [_combine(b, r.op, state.values[i], v0[i]) for i, r in
-                                enumerate(reds)] + \
-                               [_combine(b, r.op, state.values[k + i], v1[i]) for i, r in
-                                enumerate(reds)]
-            accs = state.values
-        k = len(reds)
-        accs = [_combine(b, r.op, accs[i], accs[k + i]) for i, r in enumerate(reds)]
-        if self.full % 2:
-            v = self.render(args, dict(memo), row, i64((self.full - 1) * w))
-            accs = [_combine(b, r.op, a, x) for r, a, x in zip(reds, accs, v)]
+        unroll = max(1, min(UNROLL, self.full))
+        accs = [const(vec(F32, w), _IDENTITY[r.op]) for r in reds] * unroll
+        steps = self.full // unroll
+        if steps:
+            with irx.for_carry(b, steps * unroll * w, accs, step=unroll * w, name="red") as st:
+                new = list(st.values)
+                for u in range(unroll):
+                    col = b.add(st.index, i64(u * w)) if u else st.index
+                    values = self.render(args, dict(memo), row, col)
+                    for i, r in enumerate(reds):
+                        new[u * k + i] = _combine(b, r.op, new[u * k + i], values[i])
+                st.values = new
+            accs = st.values
+        for j in range(steps * unroll, self.full):       # leftover full vectors
+            values = self.render(args, dict(memo), row, i64(j * w))
+            u = j % unroll
+            for i, r in enumerate(reds):
+                accs[u * k + i] = _combine(b, r.op, accs[u * k + i], values[i])
         if self.tail:
-            v = self.render(args, dict(memo), row, i64(self.full * w), self.tail)
-            accs = [_combine(b, r.op, a, self.masked(r, x, self.tail))
-                    for r, a, x in zip(reds, accs, v)]
-        for r, a in zip(reds, accs):
-            memo[r] = _horizontal(b, r.op, a)
+            values = self.render(args, dict(memo), row, i64(self.full * w), self.tail)
+            for i, r in enumerate(reds):
+                accs[i] = _combine(b, r.op, accs[i], self.masked(r, values[i], self.tail))
+        for i, r in enumerate(reds):
+            total = _tree(b, r.op, [accs[u * k + i] for u in range(unroll)])
+            memo[r] = _horizontal(b, r.op, total)
 
-    def store_outputs(self, memo, row, col, count, shapes):
-        """Render and store the outputs of the given shapes for the vector at (row, col)."""
+    def store_outputs(self, memo, row, col, count, shapes, streaming=False):
+        """Render and store the outputs of the given shapes for the vector at (row, col);
+        streaming: full vectors of blocks with non-temporal stores (see irx.with_streaming)."""
         b = self.b
         chosen = [(nd, o) for nd, o in self.outputs if nd.shape in shapes]
         if not chosen:
@@ -232,7 +243,8 @@ class _Gen:
                 offset = b.add(b.mul(row, i64(mask_bytes(self.n))), b.udiv(col, i64(8)))
                 irx.store_bits(b, value, p, offset, count)
             elif layout == "block":
-                irx.store_f32(b, value, p, b.add(b.mul(row, i64(o.ld)), col), dt, count)
+                irx.store_f32(b, value, p, b.add(b.mul(row, i64(o.ld)), col), dt, count,
+                              streaming and count is None)
             elif layout == "vector" and nd.shape == "row":
                 irx.store_f32(b, value, p, col, dt, count)
             else:      # col: one value per row; scalar: one value
@@ -246,14 +258,17 @@ class _Gen:
                        and self.level[nd] == 0 and nd.op != "const"]
         if entry_nodes:
             self.render(entry_nodes, base, None, None)
-        if self.rowwise:
-            self.emit_rowwise(base)
+        emit = self.emit_rowwise if self.rowwise else self.emit_general
+        blocks = [(self.ptr[name], self.m, ld * dt.itemsize)
+                  for name, layout, dt, ld in self.spec.outputs if layout == "block"]
+        if self.full and blocks:
+            irx.with_streaming(b, blocks, lambda streaming: emit(dict(base), streaming))
         else:
-            self.emit_general(base)
+            emit(base, False)
         b.ret_void()
         return self.module
 
-    def emit_rowwise(self, base):
+    def emit_rowwise(self, base, streaming):
         b = self.b
         # row-shaped and scalar outputs use no reduction here: once, before the rows
         self.store_outputs(dict(base), i64(0), i64(0), 1, ("scalar",))
@@ -267,9 +282,9 @@ class _Gen:
             self.row_values(row, memo)
             self.store_outputs(memo, row, i64(0), 1, ("col",))
             self.chunks(lambda col, count: self.store_outputs(dict(memo), row, col, count,
-                                                              ("block",)))
+                                                              ("block",), streaming))
 
-    def emit_general(self, base):
+    def emit_general(self, base, streaming):
         b, w = self.b, self.w
         self.allocate_results()
         for level in range(1, self.depth + 1):
@@ -308,7 +323,7 @@ class _Gen:
             self.row_values(row, memo)
             self.store_outputs(memo, row, i64(0), 1, ("col",))
             self.chunks(lambda col, count: self.store_outputs(dict(memo), row, col, count,
-                                                              ("block",)))
+                                                              ("block",), streaming))
 
     def accumulate(self, reds, memo, row, col, count):
         """Fold one vector of each reduction's argument into its stored result (general)."""
