@@ -1,0 +1,238 @@
+"""tpp.equation: graphs of element-wise nodes and reductions compiled into one kernel, checked
+against independent numpy formulas and against the exact reference (tpp.reference.run)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tpp
+from tpp import BF16
+from tpp.errors import ArgumentError, SpecError
+
+RNG = np.random.default_rng(7)
+
+
+def _rand(*shape, dtype=np.float32):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def _layer_norm_eq(m, n, dtype="f32"):
+    eq = tpp.equation(m, n)
+    x = eq.input("x", dtype=dtype)
+    g, b = eq.input("g", bcast="row"), eq.input("b", bcast="row")
+    eps = eq.param("eps")
+    mu = eq.mean(x, axis=1)
+    xc = x - mu
+    rstd = eq.rsqrt(eq.mean(xc * xc, axis=1) + eps)
+    return eq.compile(xc * rstd * g + b, mu=mu, rstd=rstd)
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (1, 7), (3, 16), (5, 37), (8, 64), (2, 100), (4, 1024)])
+def test_layer_norm_against_numpy(m, n):
+    ln = _layer_norm_eq(m, n)
+    x, g, b = _rand(m, n), _rand(n), _rand(n)
+    res = ln(x=x, g=g, b=b, eps=1e-5)
+    x64 = x.astype(np.float64)
+    mu = x64.mean(1, keepdims=True)
+    rstd = 1 / np.sqrt(((x64 - mu) ** 2).mean(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(res.out, (x64 - mu) * rstd * g + b, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(res.mu, mu[:, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.rstd, rstd[:, 0], rtol=2e-5)
+    assert res.out.shape == (m, n) and res.mu.shape == (m,) and res.out.dtype == np.float32
+
+
+def test_softmax_rows_and_reference():
+    m, n = 6, 45
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    e = eq.exp(x - eq.max(x, axis=1))
+    k = eq.compile(e / eq.sum(e, axis=1))
+    xa = _rand(m, n) * 4
+    y = k(x=xa)
+    z = np.exp(xa - xa.max(1, keepdims=True))
+    np.testing.assert_allclose(y, z / z.sum(1, keepdims=True), rtol=3e-6, atol=1e-7)
+    np.testing.assert_allclose(y, tpp.reference.run(k.spec, xa), rtol=3e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (7, 3), (5, 37), (17, 64), (3, 130)])
+def test_reductions_both_axes_and_mixed_shapes(m, n):
+    """Axis-0 and axis-1 reductions, a reduction of a reduction, row/col/scalar outputs."""
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    c = eq.input("c", bcast="col")
+    s = eq.input("s", bcast="scalar")
+    col_sum = eq.sum(x, axis=0)                  # n values
+    row_max = eq.max(x * c, axis=1)              # m values
+    y = x * col_sum - row_max + s
+    k = eq.compile(y, col_sum=col_sum, row_max=row_max, total=eq.sum(col_sum, axis=1),
+                   low=eq.min(row_max, axis=0))
+    xa, ca, sa = _rand(m, n), _rand(m), _rand(1)
+    res = k(x=xa, c=ca, s=sa)
+    cs = xa.astype(np.float64).sum(0)
+    rm = (xa * ca[:, None]).max(1)
+    np.testing.assert_allclose(res.col_sum, cs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res.row_max, rm, rtol=1e-6)
+    np.testing.assert_allclose(res.out, xa * cs - rm[:, None] + sa, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(res.total, [cs.sum()], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(res.low, [rm.min()], rtol=1e-6)
+    for got, want in zip(res, tpp.reference.run(k.spec, xa, ca, sa)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_inputs_and_outputs_f32_statistics():
+    m, n = 4, 33
+    ln = _layer_norm_eq(m, n, dtype="bf16")
+    x = _rand(m, n).astype(BF16.numpy)
+    g, b = _rand(n), _rand(n)
+    res = ln(x=x, g=g, b=b, eps=1e-5)
+    assert res.out.dtype == BF16.numpy and res.mu.dtype == np.float32
+    ref = tpp.reference.run(ln.spec, x, g, b, np.float32(1e-5))
+    np.testing.assert_allclose(res.out.astype(np.float32), ref[0].astype(np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(res.mu, ref[1], rtol=1e-5, atol=1e-6)
+
+
+def test_output_dtypes_and_predicate_outputs():
+    m, n = 3, 20
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    k = eq.compile(x * 2.0, positive=x > 0.0, dtypes={"out": "f16"})
+    xa = _rand(m, n)
+    res = k(x=xa)
+    assert res.out.dtype == np.float16
+    np.testing.assert_array_equal(res.out, (xa * 2).astype(np.float16))
+    bits = np.unpackbits(res.positive, axis=1, count=n, bitorder="little").astype(bool)
+    np.testing.assert_array_equal(bits, xa > 0)
+    mask_eq = tpp.equation(m, n)
+    g, keep = mask_eq.input("g"), mask_eq.mask("keep")
+    masked = mask_eq.compile(mask_eq.where(keep, g, 0.0))
+    np.testing.assert_array_equal(masked(g=xa, keep=res.positive), np.where(xa > 0, xa, 0))
+
+
+def test_strided_inputs_outputs_in_place_and_positional_call():
+    m, n = 5, 12
+    eq = tpp.equation(m, n)
+    x, y = eq.input("x"), eq.input("y")
+    k = eq.compile(x * y + 1.0)
+    big = _rand(m, 20)
+    xa, ya = big[:, :n], _rand(m, n)
+    out = np.zeros((m, 30), np.float32)
+    k(xa, ya, out=out[:, 3:3 + n])
+    np.testing.assert_allclose(out[:, 3:3 + n], xa * ya + 1, rtol=1e-6)
+    assert not out[:, :3].any() and not out[:, 3 + n:].any()
+    yy = ya.copy()
+    k(x=xa, y=yy, out=yy)        # element-wise: in place onto the identical array
+    np.testing.assert_allclose(yy, xa * ya + 1, rtol=1e-6)
+
+
+def test_runtime_param_is_not_compiled_in():
+    eq = tpp.equation(2, 8)
+    x, a = eq.input("x"), eq.param("a")
+    k = eq.compile(x * a)
+    xa = _rand(2, 8)
+    k(x=xa, a=1.0)
+    before = tpp.cache_info()["compiled"]
+    for a in (2.0, -3.5, 0.25):
+        np.testing.assert_allclose(k(x=xa, a=a), xa * np.float32(a), rtol=1e-6)
+    assert tpp.cache_info()["compiled"] == before
+
+
+def test_same_graph_is_one_kernel_and_text_is_stable():
+    a, b = _layer_norm_eq(3, 9), _layer_norm_eq(3, 9)
+    assert a is b
+    assert a.spec.key() == b.spec.key()
+    assert "rsum" in a.spec.key()
+
+
+def test_equation_inside_a_loop_nest_with_runtime_rows():
+    n, bm = 24, 4
+    eq = tpp.equation(bm, n)
+    x = eq.input("x")
+    e = eq.exp(x - eq.max(x, axis=1))
+    block = eq.compile(e / eq.sum(e, axis=1))
+    M = tpp.size("M")
+    nest = tpp.LoopNest("A", a=M // bm)
+    X, Y = nest.tensor("x", (M, n)), nest.tensor("y", (M, n))
+    (i,) = nest.vars
+    nest.call(block, X[i * bm], Y[i * bm])
+    run = nest.compile()
+    for rows in (4, 12, 40):
+        xa = _rand(rows, n)
+        ya = np.zeros_like(xa)
+        run(xa, ya)
+        z = np.exp(xa - xa.max(1, keepdims=True))
+        np.testing.assert_allclose(ya, z / z.sum(1, keepdims=True), rtol=3e-6, atol=1e-7)
+
+
+def test_dump_shows_one_function():
+    k = _layer_norm_eq(4, 64)
+    asm = k.dump("asm")
+    assert "vsqrtps" in asm or "vsqrtss" in asm
+    assert "call" not in asm          # one straight function: no calls out of it
+    assert k.dump("ir").count("define") == 1
+
+
+def test_bad_builds_are_spec_errors():
+    eq = tpp.equation(3, 4)
+    x = eq.input("x")
+    with pytest.raises(SpecError, match="already a name"):
+        eq.input("x")
+    with pytest.raises(SpecError, match="bcast"):
+        eq.input("y", bcast="diag")
+    with pytest.raises(SpecError, match="axis"):
+        eq.sum(x, axis=2)
+    with pytest.raises(SpecError, match="at least one output"):
+        eq.compile()
+    other = tpp.equation(3, 4).input("z")
+    with pytest.raises(SpecError, match="not inputs of this equation"):
+        eq.compile(x + other)
+    with pytest.raises(SpecError, match="already an input"):
+        eq.compile(x, x=x)
+    with pytest.raises(SpecError, match="names no output"):
+        eq.compile(x, dtypes={"nope": "f32"})
+    with pytest.raises(SpecError):
+        tpp.equation(0, 4)
+    with pytest.raises(SpecError):
+        eq.compile(x + "a")
+    with pytest.raises(SpecError, match="already constant"):
+        eq.sum(eq.sum(x, axis=1), axis=1)
+
+
+def test_bad_calls_are_argument_errors():
+    eq = tpp.equation(3, 4)
+    x, a = eq.input("x"), eq.param("a")
+    k = eq.compile(x * a)
+    xa = _rand(3, 4)
+    with pytest.raises(ArgumentError, match="missing input"):
+        k(x=xa)
+    with pytest.raises(ArgumentError, match="no input or output named"):
+        k(x=xa, a=1.0, b=2)
+    with pytest.raises(ArgumentError, match="shape"):
+        k(x=_rand(4, 3), a=1.0)
+    with pytest.raises(ArgumentError, match="dtype"):
+        k(x=xa.astype(np.float64), a=1.0)
+    with pytest.raises(ArgumentError, match="number"):
+        k(x=xa, a=True)
+    with pytest.raises(ArgumentError, match="given twice"):
+        k(xa, x=xa, a=1.0)
+    with pytest.raises(ArgumentError, match="overlaps"):
+        big = _rand(3, 8)
+        k(x=big[:, :4], a=1.0, out=big[:, 2:6])
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 70), axis=st.sampled_from([0, 1]),
+       red=st.sampled_from(["sum", "max", "min"]))
+def test_hypothesis_reduce_then_broadcast(m, n, axis, red):
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    r = getattr(eq, red)(x, axis=axis)
+    k = eq.compile(x - r, r=r)
+    xa = _rand(m, n)
+    res = k(x=xa)
+    fn = {"sum": np.sum, "max": np.max, "min": np.min}[red]
+    want = fn(xa.astype(np.float64), axis=axis, keepdims=True)
+    np.testing.assert_allclose(res.r, want.reshape(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res.out, xa - want, rtol=1e-5, atol=1e-5)
