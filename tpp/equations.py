@@ -376,6 +376,11 @@ class EquationKernel(Kernel):
             if nm in self._params:
                 value = _scalar(value, nm)
             inputs.append(value)
+        fast = self._fastcall       # one output, one or two inputs: Kernel's lean path
+        if fast is not None and seed is None and len(outputs) <= ("out" in outputs):
+            result = fast(tuple(inputs), outputs.get("out"))
+            if result is not None:
+                return result
         result = self._call_checked(tuple(inputs), outputs, seed)
         if self._result is not None:
             return self._result(*result)
