@@ -17,6 +17,7 @@ from .brgemm_kernel import BrgemmKernel
 from .brgemm_spec import BrgemmSpec, make_brgemm
 from .kernel import Kernel
 from .equations import Equation, EquationKernel, EquationSpec
+from .autodiff import grad
 from .loop_spec import Loop
 from .loops import LoopNest, size
 from .optable import BINARY_OPS, UNARY_OPS
@@ -28,7 +29,7 @@ __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "Brgemm
            "UnarySpec", "BinarySpec", "BrgemmSpec", "make_brgemm", "TPPError", "SpecError",
            "ArgumentError", "UnsupportedError", "CompileError",
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest", "size",
-           "equation", "Equation", "EquationKernel", "EquationSpec",
+           "equation", "Equation", "EquationKernel", "EquationSpec", "grad",
            "get_num_threads", "set_num_threads", "clear_caches", "cache_info"]
 
 
