@@ -155,14 +155,16 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **un
     PackedWeight from ops.pack_nk(w); returns (..., N)."""
     if unknown:
         _host.reject_unknown(linear, unknown)
-    if type(x) is _NDARRAY and type(w) is PackedWeight and blocking is None:
-        # the thin path: a plan this weight validated before, one BRGEMM call (_Plan.direct)
+    tx = type(x)
+    if ((tx is _NDARRAY or tx in _TORCH_TYPES) and type(w) is PackedWeight
+            and blocking is None):
+        # the thin path: a plan this weight validated before for this kind of call
         try:
             plan = w.plans.get((x.dtype, out_dtype, b is not None, activation))
         except TypeError:   # unhashable arguments: rejected by the checked way below
             plan = None
-        if plan is not None and plan.direct is not None:
-            y = plan.direct_call(x, w, b)
+        if plan is not None:
+            y = plan.thin_call(x, w, b)
             if y is not None:
                 return y
     x = _host.host(x, "x")
@@ -256,11 +258,31 @@ class _Plan:
            _DATA_FIELD(id(out) + _DATA_OFFSET).value, pb, 0, 1, 0, 0)
         return out
 
+    def thin_call(self, x, packed, bias):
+        """act(x @ packed + bias) for a call whose kind (x's dtype, output dtype, bias or not,
+        activation) this plan was validated for on `packed`: x a numpy array or CPU torch
+        tensor (M, k), C-contiguous; by direct_call where the plan has a kernel for M rows,
+        else by `run` (the nest checks the arrays' dtypes, layouts, shapes and memory again
+        on every call). None for anything else: the caller's checked path then explains."""
+        shape = x.shape
+        if len(shape) != 2 or shape[1] != self.k:
+            return None
+        if type(x) is _NDARRAY:
+            if self.direct is not None:
+                y = self.direct_call(x, packed, bias)
+                if y is not None:
+                    return y
+            if not x.flags.c_contiguous:
+                return None
+        elif not (x.is_cpu and x.is_contiguous()):
+            return None
+        return self.run(x, packed, None, bias, "x")
+
     def run(self, a, packed, out, bias, name):
         """act(a @ packed + bias) into out (None: a new array of a's kind); a is C-contiguous
         (M, K) of the plan's dtype and K, packed of the plan's weight geometry."""
         m = a.shape[0]
-        if bias is not None:
+        if bias is not None and not _dense(bias):
             bias = _host.contiguous(_host.host(bias, "bias"))
         if out is None:
             if type(a) is _NDARRAY:
@@ -270,7 +292,8 @@ class _Plan:
                 if tdt is None:
                     import torch
                     tdt = self.torch_out = getattr(torch, self.dt_out.torch_name)
-                out = _TORCH_EMPTY[0]((m, self.n), dtype=tdt)
+                # sizes as separate arguments: torch parses them ~0.5 us faster than a tuple
+                out = _TORCH_EMPTY[0](m, self.n, dtype=tdt)
         else:
             out = _host.host(out, "out")
             arrays.check_output_tensor(out, "out")
@@ -283,7 +306,16 @@ class _Plan:
         return out
 
 
+def _dense(t) -> bool:
+    """Whether t is a C-contiguous numpy array or a contiguous CPU torch tensor of a type
+    _host.host accepts as it is (else `run` passes it through _host first)."""
+    if type(t) is _NDARRAY:
+        return t.flags.c_contiguous
+    return type(t) in _TORCH_TYPES and t.is_cpu and t.is_contiguous()
+
+
 _NDARRAY = np.ndarray
+_TORCH_TYPES = _host._CPU_TENSOR_TYPES  # torch.Tensor, Parameter: once _host.host saw them
 _DATA_FIELD, _DATA_OFFSET = arrays._DATA_FIELD, arrays._DATA_OFFSET   # (arrays.address)
 _RAW_SIGNATURE = ("void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, "
                   "intptr_t, intptr_t)")

@@ -25,6 +25,11 @@ once and reuses the packed copy while the weight's storage and version counter a
 (in-place updates by optimizers, load_state_dict or `with torch.no_grad(): w.copy_(...)` bump
 the version). Writes through `weight.data` bypass the version counter: call
 `layer.invalidate_packed()` after them.
+
+Linear's common call (a 2-D CPU input of the weight's dtype, the weight packed before) takes a
+thin path: its checks are the packed weight's key and a few attribute reads, and it calls the
+packed weight's validated plan (ops.linear's thin path) and LinearFunction through the C++
+apply (see _apply); everything else goes the checked way above.
 """
 from __future__ import annotations
 
@@ -41,9 +46,17 @@ from tpp.errors import ArgumentError, UnsupportedError
 __all__ = ["LinearFunction", "Linear", "MLP", "linear"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
+_TENSOR, _STRIDED = torch.Tensor, torch.strided
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)     # parameters as Linear's thin path takes
 _SAVES_OUTPUT = ("sigmoid", "tanh")     # their backward reads the output, not z
 _TORCH_ACTIVATION = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu,
                      "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+def _weight_key(w):
+    """What identifies a weight's values to the packed copy: storage address, version counter
+    (in-place writes bump it), dtype, shape and strides."""
+    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
 
 
 def _check_tensor(t, name):
@@ -122,23 +135,27 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, packed):
-        if type(packed) is _Checked:    # from _linear: x, weight, bias, packed validated
+        if type(packed) is _Checked:
+            # from Linear or _linear: x, weight, bias, activation and packed validated, and a
+            # gradient wanted (grad mode on, an input requiring grad)
             packed = packed.packed
-            if not any(ctx.needs_input_grad[:3]):
-                return _plain(_ops.linear(x, packed, bias, activation))
-            k = weight.shape[1]
-            if x.dim() == 2:
-                lead = (x.shape[0],)
-                x2 = x if x.is_contiguous() else x.contiguous()
+            if x.dim() == 2 and x.is_contiguous() and weight.is_contiguous():
+                # the common call: everything as it is; y is a new tensor, never a view
+                y, saved = _forward_checked(x, (x.shape[0],), weight, bias, activation, packed)
             else:
-                x2, lead = _host.rows(x, k, "input")
-            y, saved = _forward_checked(x2, lead, weight if weight.is_contiguous() else
-                                        weight.contiguous(), bias, activation, packed)
+                if x.dim() == 2:
+                    lead = (x.shape[0],)
+                    x2 = x if x.is_contiguous() else x.contiguous()
+                else:
+                    x2, lead = _host.rows(x, weight.shape[1], "input")
+                y, saved = _forward_checked(x2, lead, weight if weight.is_contiguous() else
+                                            weight.contiguous(), bias, activation, packed)
+                y = _plain(y)
         elif not any(ctx.needs_input_grad[:3]):
             return _plain(_ops.linear(x, _packed(packed, weight), bias, activation))
         else:
             y, saved = _ops.mlp_forward(x, weight, bias, activation, packed=packed)
-        y = _plain(y)
+            y = _plain(y)
         ctx.activation = activation
         ctx.tpp_saved = saved
         # saved through autograd too, so in-place changes to them before the backward raise
@@ -160,6 +177,33 @@ class LinearFunction(torch.autograd.Function):
             grads = _ops.mlp_backward(dy.contiguous(), ctx.tpp_saved, need_x=need_x,
                                       need_w=need_w, need_b=need_b)
         return (*grads, None, None)
+
+
+def _function_apply_internals():
+    """(C++ apply of LinearFunction, functorch's unwrap_if_dead, whether functorch transforms
+    are active), or None on a torch without them (then _apply is Function.apply)."""
+    try:
+        return (super(torch.autograd.Function, LinearFunction).apply,
+                torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active)
+    except AttributeError:
+        return None
+
+
+_APPLY_INTERNALS = _function_apply_internals()
+
+
+def _apply(x, weight, bias, activation, packed):
+    """LinearFunction.apply(x, weight, bias, activation, packed), ~2 us faster: what
+    torch.autograd.Function.apply does for a Function without setup_context (LinearFunction),
+    without its Python wrapper. Outside functorch transforms that is unwrapping dead functorch
+    wrappers from the tensor arguments and calling the C++ apply; under a transform (or where
+    torch lacks these internals) it is Function.apply itself."""
+    internals = _APPLY_INTERNALS
+    if internals is None or internals[2]():
+        return LinearFunction.apply(x, weight, bias, activation, packed)
+    c_apply, unwrap = internals[0], internals[1]
+    return c_apply(unwrap(x), unwrap(weight), None if bias is None else unwrap(bias),
+                   activation, packed)
 
 
 def _differentiable_grads(ctx, dy, x, weight, need):
@@ -198,9 +242,8 @@ def _linear(x, weight, bias, activation, pack):
     if not grad:    # validated above (_check): straight to the packed GEMM
         return _plain(_ops.linear(x, _packed(pack(weight), weight), bias, activation))
     packed = pack(weight)
-    return LinearFunction.apply(x, weight, bias, activation,
-                                _Checked(packed if packed is not None else
-                                         _ops.pack_nk(weight.detach())))
+    return _apply(x, weight, bias, activation,
+                  _Checked(packed if packed is not None else _ops.pack_nk(weight.detach())))
 
 
 class _Checked:
@@ -259,20 +302,58 @@ class Linear(torch.nn.Module):
 
     def _packed_of(self, w):
         """packed_weight() for w, the layer's weight (read once by the caller)."""
-        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(w.stride()))
+        key = _weight_key(w)
         cache = self._packed_cache
         if cache is not None and cache[0] == key:
-            return cache[2]
+            return cache[2].packed
         src = w.detach()        # shares storage and version counter with the weight; holding
         packed = _ops.pack_nk(src)  # it keeps its address from being reused by another tensor
-        self._packed_cache = (key, src, packed)
+        self._packed_cache = (key, src, _Checked(packed))
         return packed
 
+    def _fast_packed(self, x, weight, bias, activation):
+        """The packed weight (the _Checked LinearFunction takes) when this call is the common
+        one and every check _check makes holds; None for anything else (other ranks, empty
+        batches, tensor subclasses as input, a weight other than the one packed last, other
+        devices or dtypes): the checked path then validates, explains and packs.
+
+        The common call: activation one of ACTIVATIONS; x a strided CPU torch.Tensor (M,
+        in_features), M >= 1, of the weight's dtype; the weight a CPU tensor with the key
+        (storage address, version, dtype, shape, strides) of the one packed last, which
+        _check validated before packing it; bias None or a CPU tensor of the weight's dtype
+        and shape (out_features,)."""
+        cache = self._packed_cache
+        if (cache is None or not (activation is None or (type(activation) is str and
+                                                          activation in ACTIVATIONS))
+                or type(x) is not _TENSOR or not x.is_cpu or x.layout is not _STRIDED
+                or type(weight) not in _PLAIN_TYPES or x.dtype is not weight.dtype
+                or not weight.is_cpu or cache[0] != _weight_key(weight)):
+            return None
+        shape, wshape = x.shape, weight.shape
+        if len(shape) != 2 or shape[1] != wshape[1] or not shape[0]:
+            return None
+        if bias is not None and (type(bias) not in _PLAIN_TYPES or not bias.is_cpu
+                                 or bias.dtype is not weight.dtype or bias.shape != wshape[:1]):
+            return None
+        return cache[2]
+
     def forward(self, x):
-        # each parameter read once (Module.__getattr__ costs ~0.3 us a read)
-        weight, bias, activation = self.weight, self.bias, self.activation
-        _check(x, weight, bias, activation)     # before packing the weight
-        return _linear(x, weight, bias, activation, self._packed_of)
+        # the parameters read from _parameters: Module.__getattr__ costs ~0.3 us a read; the
+        # attribute where they are not there (weight_norm, parametrizations, functional_call
+        # with plain tensors move them out)
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        bias = params["bias"] if "bias" in params else self.bias
+        activation = self.activation
+        packed = self._fast_packed(x, weight, bias, activation)
+        if packed is None:
+            _check(x, weight, bias, activation)     # before packing the weight
+            return _linear(x, weight, bias, activation, self._packed_of)
+        # the thin path: checks and shapes as _linear's, without its general cases
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                        (bias is not None and bias.requires_grad)):
+            return _apply(x, weight, bias, activation, packed)
+        return _ops.linear(x, packed.packed, bias, activation)  # 2-D: a new tensor, no view
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

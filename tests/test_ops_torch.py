@@ -455,3 +455,129 @@ def test_errors():
         ot.linear(torch.zeros(2, 8), torch.zeros(4, 8), packed=ops.pack_nk(torch.zeros(5, 8)))
     # every one of them is a TPPError
     assert issubclass(tpp.UnsupportedError, tpp.TPPError)
+
+
+# ------------------------------------------------------------------ the layer's thin path
+def _fails(*args, **kw):
+    raise AssertionError("the checked path was taken")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_linear_common_call_takes_the_thin_path(bias, dtype, monkeypatch):
+    """Once a layer has packed its weight, a 2-D CPU input of its dtype skips _check and
+    _linear (their checks hold by the packed weight's key and a few attribute reads), with
+    torch's results and gradients, with and without grad mode, bias or not, f32 and bf16."""
+    ours, ref = _pair(70, 130, bias, "gelu", dtype)
+    x = torch.randn(5, 70).to(dtype)
+    ours(x)                                         # packs the weight (the checked path)
+    monkeypatch.setattr(ot, "_check", _fails)
+    monkeypatch.setattr(ot, "_linear", _fails)
+    _compare(ours, ref, "gelu", (5, 70), dtype)     # x requires grad: LinearFunction
+    y = ours(x)                                     # only the parameters require grad
+    assert type(y.grad_fn).__name__ == "LinearFunctionBackward"
+    for ctx in (torch.no_grad(), torch.inference_mode()):
+        with ctx:
+            y = ours(x)
+        assert y.grad_fn is None and not y._is_view()
+        torch.testing.assert_close(y, F.gelu(ref(x)).detach(), **TOL[dtype])
+    xs = torch.randn(70, 5).to(dtype).t()           # non-contiguous: copied on the way
+    torch.testing.assert_close(ours(xs), F.gelu(ref(xs)), **TOL[dtype])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(xs), F.gelu(ref(xs)), **TOL[dtype])
+    _compare(ours, ref, "gelu", (33, 70), dtype)    # a new batch size: nothing repacked
+
+
+def test_linear_thin_path_falls_back_to_the_checks(monkeypatch):
+    """Every call the thin path does not vouch for goes through _check (and _linear): other
+    ranks, empty batches, tensor subclasses, other devices and dtypes, a replaced weight or
+    bias, an invalid activation set after construction."""
+    ours, ref = _pair(12, 9, True, None, torch.float32)
+    x = torch.randn(4, 12)
+    ours(x)
+    checked = []
+    real = ot._check
+    monkeypatch.setattr(ot, "_check", lambda *a, **kw: (checked.append(1), real(*a, **kw)))
+
+    def goes_checked(call):
+        checked.clear()
+        out = call()
+        assert checked, "the thin path was taken"
+        return out
+
+    for shape in ((12,), (2, 3, 12), (0, 12)):
+        xx = torch.randn(shape)
+        torch.testing.assert_close(goes_checked(lambda: ours(xx)), ref(xx))
+    param = torch.nn.Parameter(x.clone())           # a subclass: the checks decide
+    torch.testing.assert_close(goes_checked(lambda: ours(param)), ref(param))
+    with pytest.raises(tpp.ArgumentError, match="input is torch.bfloat16"):
+        goes_checked(lambda: ours(x.bfloat16()))
+    with pytest.raises(tpp.UnsupportedError, match="meta"):
+        goes_checked(lambda: ours(torch.empty(4, 12, device="meta")))
+    with pytest.raises(tpp.ArgumentError, match=r"expected shape \(\.\.\., 12\)"):
+        goes_checked(lambda: ours(torch.zeros(4, 11)))
+    # a new weight tensor: checked and packed again
+    ours.weight = torch.nn.Parameter(torch.randn(9, 12))
+    ref.weight = torch.nn.Parameter(ours.weight.detach().clone())
+    torch.testing.assert_close(goes_checked(lambda: ours(x)), ref(x))
+    torch.testing.assert_close(ours(x), ref(x))     # and the thin path again after it
+    bias = ours.bias
+    ours.bias = torch.nn.Parameter(torch.zeros(9, dtype=torch.bfloat16))
+    with pytest.raises(tpp.ArgumentError, match="bias is torch.bfloat16"):
+        goes_checked(lambda: ours(x))
+    ours.bias = torch.nn.Parameter(torch.zeros(10))
+    with pytest.raises(tpp.ArgumentError, match=r"bias: expected shape \(9,\)"):
+        goes_checked(lambda: ours(x))
+    ours.bias = bias
+    ours.activation = "swish"
+    with pytest.raises(tpp.ArgumentError, match="activation must be one of"):
+        goes_checked(lambda: ours(x))
+
+
+def test_linear_reads_parameters_moved_out_of_parameters():
+    """Parametrizations and functional_call move the weight out of _parameters: the layer
+    reads the attribute then, computing with the weight they give (packed again each call
+    where it is a new tensor)."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ours, ref = _pair(12, 9, True, "relu", torch.float32)
+    x = torch.randn(4, 12, requires_grad=True)
+    ours(x)
+    parametrize.register_parametrization(ours, "weight", Double())
+    parametrize.register_parametrization(ref, "weight", Double())
+    for _ in range(2):
+        torch.testing.assert_close(ours(x), torch.relu(ref(x)))
+    ours(x).sum().backward()
+    ours_grad = ours.parametrizations.weight.original.grad.clone()
+    torch.relu(ref(x)).sum().backward()
+    torch.testing.assert_close(ours_grad, ref.parametrizations.weight.original.grad)
+
+    plain, _ = _pair(12, 9, True, None, torch.float32)
+    plain(x)
+    w, b = torch.randn(9, 12), torch.randn(9)
+    got = torch.func.functional_call(plain, {"weight": w, "bias": b}, (x,))
+    torch.testing.assert_close(got, F.linear(x, w, b))
+    torch.testing.assert_close(plain(x), F.linear(x, plain.weight, plain.bias))
+
+
+def test_function_apply_shortcut_matches_function_apply(monkeypatch):
+    """ops.torch._apply (Function.apply without its Python wrapper) gives the same results,
+    graph and gradients as Function.apply, which it becomes under functorch transforms (that
+    refuse LinearFunction: it has no setup_context) and where torch lacks the internals."""
+    ours, ref = _pair(16, 24, True, "tanh", torch.float32)
+    x = torch.randn(3, 16)
+    y = ours(x)
+    assert type(y.grad_fn).__name__ == "LinearFunctionBackward"
+    grads = torch.autograd.grad(y.sum(), (ours.weight, ours.bias))
+    monkeypatch.setattr(ot, "_APPLY_INTERNALS", None)
+    y2 = ours(x)
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    for g, g2 in zip(grads, torch.autograd.grad(y2.sum(), (ours.weight, ours.bias))):
+        torch.testing.assert_close(g, g2, rtol=0, atol=0)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(ours)(torch.randn(2, 3, 16))

@@ -214,3 +214,89 @@ def test_torch_and_numpy_views_of_one_buffer_are_not_the_identical_array():
     x = _strided((4, 4), 8)
     with pytest.raises(ArgumentError, match="overlaps"):
         relu(torch.from_numpy(x), out=x)
+
+
+# ------------------------------------------------------------------ ops.linear's thin path
+def _linear_case(kind, m=3, k=8, n=80):
+    """(x, w, b) of numpy arrays or torch tensors; n > 64: the nest, not a direct kernel."""
+    x, w, b = _f32(m, k), _f32(n, k), _f32(n)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        x, w, b = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)
+    return x, w, b
+
+
+def _want(x, w, b):
+    x, w, b = (np.asarray(t) for t in (x, w, b))
+    return x @ w.T + b
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_linear_thin_path_skips_the_checked_way(kind, monkeypatch):
+    """A second call of a kind the weight's plan validated goes straight to the plan: neither
+    _plan nor _host.host runs, and the result is the checked path's."""
+    import importlib
+
+    import ops
+    matmul = importlib.import_module("ops.matmul")    # (ops.matmul is the function)
+    x, w, b = _linear_case(kind)
+    pw = ops.pack_nk(w)
+    first = ops.linear(x, pw, b)
+
+    def fail(*args, **kw):
+        raise AssertionError("the checked way was taken")
+    monkeypatch.setattr(matmul, "_plan", fail)
+    monkeypatch.setattr(matmul._host, "host", fail)
+    again = ops.linear(x, pw, b)
+    assert type(again) is type(x) and again is not first
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+    np.testing.assert_allclose(np.asarray(again), _want(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_linear_thin_path_falls_back_to_the_checked_way(kind):
+    """What the thin path does not take goes the checked way, which copies, reshapes or
+    explains: non-contiguous or 3-D inputs, a non-contiguous bias, wrong shapes and dtypes."""
+    import ops
+    x, w, b = _linear_case(kind)
+    pw = ops.pack_nk(w)
+    ops.linear(x, pw, b)                            # the plan for f32 with a bias
+    if kind == "torch":
+        import torch
+        wide, wide_b = torch.zeros(3, 16), torch.zeros(160)
+        other_dtype = x.to(torch.bfloat16)
+    else:
+        wide, wide_b = np.zeros((3, 16), np.float32), np.zeros(160, np.float32)
+        other_dtype = x.astype(np.float64)
+    wide[:, ::2] = x
+    xs = wide[:, ::2]                               # row stride 16: copied, then computed
+    wide_b[::2] = b
+    bs = wide_b[::2]
+    np.testing.assert_allclose(np.asarray(ops.linear(xs, pw, b)), _want(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ops.linear(x, pw, bs)), _want(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+    x3 = x.reshape(1, 3, 8)
+    y3 = ops.linear(x3, pw, b)
+    assert tuple(y3.shape) == (1, 3, 80)
+    np.testing.assert_allclose(np.asarray(y3).reshape(3, 80), _want(x, w, b), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ArgumentError, match=r"expected shape \(\.\.\., 8\)"):
+        ops.linear(x[:, :7], pw, b)
+    with pytest.raises(ArgumentError, match="bias: expected shape"):
+        ops.linear(x, pw, b[:79])
+    with pytest.raises(ArgumentError):
+        ops.linear(other_dtype, pw, b)
+
+
+def test_linear_thin_path_checks_torch_devices():
+    torch = pytest.importorskip("torch")
+    import ops
+    from tpp.errors import UnsupportedError
+    x, w, b = _linear_case("torch")
+    pw = ops.pack_nk(w)
+    ops.linear(x, pw, b)
+    with pytest.raises(UnsupportedError, match="meta"):
+        ops.linear(torch.empty(3, 8, device="meta"), pw, b)
+    with pytest.raises(UnsupportedError, match="meta"):
+        ops.linear(x, pw, torch.empty(80, device="meta"))
