@@ -1,5 +1,5 @@
 """The element-wise CUDA kernels of `tpp_cuda.eltwise`, run on the CPU emulator
-(tests/cuda_emulator.py), agree with `tpp.reference`.
+(tests/cuda_emulator.py), agree with `tpp.reference`, and compute the CPU backend's bits.
 
 Every supported unary and binary op runs in f32, bf16 and f16 (mixed input / output dtypes),
 with row / col / scalar broadcasts, leading dimensions larger than n, bitmask outputs (relu's
@@ -7,7 +7,9 @@ bitmask, the compare ops), m or n = 1, n not a multiple of 8 or 32, muladd in pl
 also see inf, nan, -0, huge and subnormal inputs. Outputs live in buffers wider and one row
 taller than the block, filled with a sentinel that must survive; padding inside input buffers
 is NaN, so reading it shows. Ops whose formula is correctly rounded compare bit-exactly, the
-others within a few f32 ulps (plus one ulp of a 16-bit output dtype). A few kernels also run
+others within the op table's tolerance (plus one ulp of a 16-bit output dtype). Every
+element-wise map / map_inv op also runs on f32 data with special values through both the
+emulated CUDA kernel and the CPU kernel: the results must be the same bits (NaN payloads aside). A few kernels also run
 with a grid smaller than the problem (the grid-stride loops must cover it), a bigger block,
 and in the emulator's threaded mode. All kernels build as one emulated module.
 """
@@ -32,21 +34,13 @@ UNARY = [op for op, info in tpp.UNARY_OPS.items()
 BINARY = list(tpp.BINARY_OPS)
 MIXED = [("bf16", "bf16"), ("f16", "f16"), ("bf16", "f32"), ("f32", "f16"), ("f16", "bf16")]
 
-# correctly rounded formulas (one IEEE operation, a select, or a conversion): bit-exact
-EXACT = {"identity", "replicate_col", "zero", "square", "sqrt", "reciprocal", "negate", "abs",
-         "increment", "relu", "relu_inv", "add", "sub", "mul", "div", "max", "min"}
-# f32 (rtol, atol) of the rest: a few ulps, more for libm transcendentals; gelu's erfc / exp
-# tails amplify the rounding of their argument -x/sqrt(2) (relative error ~ x^2 * 2^-24);
-# atol covers the cancellations of the formulas (1 - y*y, y + alpha, gelu'(x) near its zero),
-# scaled by the largest output
-_ULP = 2.0 ** -24
-TOLERANCE = {
-    "rsqrt": (2 * _ULP, 0.0), "leaky_relu": (2 * _ULP, 0.0), "leaky_relu_inv": (2 * _ULP, 0.0),
-    "muladd": (2 * _ULP, 0.0), "exp": (4 * _ULP, 0.0), "tanh": (4 * _ULP, 0.0),
-    "sigmoid": (8 * _ULP, 0.0), "elu": (4 * _ULP, 1e-37), "gelu": (1.5e-5, 1e-37),
-    "tanh_inv": (4 * _ULP, 4 * _ULP), "sigmoid_inv": (4 * _ULP, 4 * _ULP),
-    "elu_inv": (4 * _ULP, 4 * _ULP), "gelu_inv": (1.5e-5, 1e-6),
-}
+
+def _info(op):
+    return tpp.UNARY_OPS.get(op) or tpp.BINARY_OPS[op]
+
+
+# correctly rounded definitions (the table's tolerance is 0): bit-exact against the reference
+EXACT = {op for op in UNARY + BINARY if _info(op).tol == (0.0, 0.0)}
 _OUT_ULP = {"f32": (0.0, 0.0), "bf16": (2.0 ** -7, 2.0 ** -133), "f16": (2.0 ** -10, 2.0 ** -24)}
 SPECIALS = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e30, -1e30, 1e-40, -3e-39, 88.5, -104.0])
 SENTINEL = 7.0
@@ -98,18 +92,25 @@ SPECS = _unary_specs() + _binary_specs()
 # specs whose inputs also hold inf, nan, -0, huge and subnormal values
 SPECIAL_SPECS = [make_unary(op, 4, 23, **p) for op, p in (
     ("relu", {"bitmask": True}), ("abs", {}), ("exp", {}), ("tanh", {}), ("sigmoid", {}),
+    ("log", {}), ("silu", {}), ("softplus", {}),
     ("gelu", {}), ("gelu", {"approximate": "tanh"}), ("gelu_inv", {}),
     ("gelu_inv", {"approximate": "tanh"}), ("elu", {}), ("sqrt", {}), ("rsqrt", {}),
     ("reciprocal", {}), ("identity", {"dtype_out": "bf16"}), ("identity", {"dtype_out": "f16"}))]
 SPECIAL_SPECS += [make_binary(op, 4, 23) for op in ("max", "min", "add", "div", "muladd",
                                                     "cmp_eq", "cmp_ne", "cmp_lt", "cmp_ge")]
+# every element-wise op with each of its parameter variants, f32, for the CPU-vs-CUDA bits
+VARIANTS = {"relu": [{"bitmask": True}], "relu_inv": [{"bitmask": True}],
+            "gelu": [{"approximate": "tanh"}], "gelu_inv": [{"approximate": "tanh"}],
+            "leaky_relu": [{"alpha": 0.2}], "elu": [{"alpha": 0.5}]}
+SAME_BITS = [make_unary(op, 7, 300, **p) for op in UNARY for p in [{}] + VARIANTS.get(op, [])]
+SAME_BITS += [make_binary(op, 7, 300) for op in BINARY]
 BIG = make_binary("add", 70, 300, ldi0=301, ldo=303)
 BIG_MASK = make_unary("relu", 33, 150, bitmask=True)
 
 
 @pytest.fixture(scope="module")
 def module():
-    every = SPECS + SPECIAL_SPECS + [BIG, BIG_MASK]
+    every = SPECS + SPECIAL_SPECS + SAME_BITS + [BIG, BIG_MASK]
     return cuda_emulator.EmulatedModule({eltwise.kernel_name(s): eltwise.source(s) for s in every})
 
 
@@ -171,16 +172,15 @@ def _assert_exact(got, want, what):
 
 
 def _assert_close(got, want, op, dtype_out, what):
-    rtol, atol = TOLERANCE[op]
+    rtol, atol = _info(op).tol
     out_rtol, out_atol = _OUT_ULP[dtype_out]
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert (np.isnan(g) == np.isnan(w)).all(), f"{what}: nan positions differ"
     inf = np.isinf(w)
     assert (g[inf] == w[inf]).all(), f"{what}: infinities differ"
     finite = ~np.isnan(w) & ~inf
-    scale = 1.0 if atol == 0 else max(1.0, float(np.abs(w[finite]).max(initial=0.0)))
     np.testing.assert_allclose(g[finite], w[finite], rtol=rtol + out_rtol,
-                               atol=atol * scale + out_atol, err_msg=what)
+                               atol=atol + out_atol, err_msg=what)
 
 
 def _check(spec, operand, got, want):
@@ -238,6 +238,61 @@ def test_any_grid_covers_the_problem(module, spec, geometry):
 
 def test_threaded_mode_agrees(module):
     run_case(module, BIG_MASK, launch=Launch((2, 2, 1), (32, 4, 1)), threaded=True)
+
+
+def _bit_inputs(spec):
+    """Every input of the spec: wide-range f32 values with all the special values, the
+    exponents of the op table's domain and random bit patterns (masks: random bytes)."""
+    rng = np.random.default_rng(zlib.crc32(spec.key().encode()))
+    out = []
+    for o in spec.operands():
+        if o.role == "out":
+            continue
+        if o.layout == "mask":
+            out.append(rng.integers(0, 256, (o.rows, o.cols), dtype=np.uint8))
+            continue
+        lo, hi = _info(spec.op).domain
+        flat = rng.uniform(lo, hi, o.rows * o.cols)
+        k = min(flat.size, SPECIALS.size)
+        flat[:k] = SPECIALS[:k]
+        flat[k:200] = rng.standard_normal(flat[k:200].size) * 30
+        flat = flat.astype(np.float32)
+        flat[200:400] = rng.integers(0, 2 ** 32, flat[200:400].size, dtype=np.uint64).astype(
+            np.uint32).view(np.float32)
+        out.append(flat.reshape(o.rows, o.cols))
+    return out
+
+
+@pytest.mark.parametrize("spec", SAME_BITS, ids=lambda s: s.key().split("params=")[-1]
+                         .join([s.op + "-", ""]))
+def test_cuda_computes_the_cpu_bits(module, spec):
+    inputs = _bit_inputs(spec)
+    buffers = [x.copy() for x in inputs]
+    outs = [np.zeros((o.rows, o.cols), o.dtype.numpy) for o in spec.operands() if o.role == "out"]
+    args, k_in, k_out = [], iter(buffers), iter(outs)
+    for o in spec.operands():
+        args.append(next(k_out) if o.role == "out" else next(k_in))
+    module.launch(eltwise.kernel_name(spec), eltwise.launch(spec), args)
+    kernel = tpp.unary(spec.op, spec.m, spec.n, **dict(spec.params)) \
+        if spec.family == "unary" else tpp.binary(spec.op, spec.m, spec.n)
+    cpu_in = [x.copy() for x in inputs]
+    if _info(spec.op).reads_out or not cpu_in:
+        out = cpu_in.pop() if cpu_in else np.zeros((spec.m, spec.n), np.float32)
+        cpu = (kernel(*cpu_in, out=out),)
+    else:
+        cpu = kernel(*cpu_in)
+        cpu = cpu if isinstance(cpu, tuple) else (cpu,)
+    cuda = [a for o, a in zip(spec.operands(), args) if o.role != "in"]
+    assert len(cpu) == len(cuda)
+    for c, g in zip(cpu, cuda):
+        c, g = np.asarray(c), np.asarray(g)
+        if c.dtype == np.uint8:
+            np.testing.assert_array_equal(g, c, err_msg=f"{spec.op}: bitmask")
+            continue
+        same = (c.view(np.uint32) == g.view(np.uint32)) | (np.isnan(c) & np.isnan(g))
+        bad = np.argwhere(~same)
+        assert same.all(), (f"{spec.op}: {len(bad)} results differ from the CPU's, e.g. at "
+                            f"{tuple(bad[0])}: cpu {c[tuple(bad[0])]!r} cuda {g[tuple(bad[0])]!r}")
 
 
 def test_every_op_is_covered():

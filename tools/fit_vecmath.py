@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Derive every polynomial coefficient and root constant used by tpp_cpu/vecmath.py.
+"""Derive every polynomial coefficient and root constant used by tpp/transcendentals.py.
 
 Run:  python tools/fit_vecmath.py            (numpy only, ~10 s)
 
@@ -18,7 +18,7 @@ script prints
   * the error of a float32 Horner/FMA evaluation simulated in numpy,
 
 and finally the Python source of the coefficient tables, which is what
-tpp_cpu/vecmath_coeffs.py holds.  Reference values come from the float64 math library
+tpp/mathlib_coeffs.py holds.  Reference values come from the float64 math library
 (math.erfc/math.erf/np.expm1) and np.longdouble where cancellation would
 otherwise spoil the reference (the gelu_tanh_grad root patch).
 
@@ -27,7 +27,7 @@ inside Lawson's iteratively reweighted least squares, on a 2000-point Chebyshev 
 with Q(0) = 1, then renormalised to a monic Q; the coefficients are then rounded to float32 one
 at a time (P low to high, then Q) with the free ones re-fitted (warm-started) after each.
 
-Fitted objects (names as in vecmath.py)
+Fitted objects (names as in tpp/mathlib_coeffs.py)
 ---------------------------------------
 EXP_C      expm1(s) ~ s + s^2 (c2 + c3 s + ... + c6 s^4),  |s| <= ln2/2 (+0.2 %),
            relative error of expm1 (which bounds the relative error of exp).

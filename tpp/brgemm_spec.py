@@ -29,13 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import checks
+from . import checks, optable
 from . import dtypes as _dt
 from .errors import SpecError, UnsupportedError
 from .spec import Operand, _size, _SpecBase, mask_bytes
 
 BATCH_MODES = ("stride", "offset", "address")
-ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
+ACTIVATIONS = (None, *optable.EPILOGUES)   # the ops the table marks as epilogues
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,11 @@ class _SpecBase:
     @property
     def scalars(self) -> tuple:
         """Names of the run-time scalar arguments a kernel takes after its operand pointers
-        (each an int64): ("seed",) for dropout, else none."""
-        return ("seed",) if self.op == "dropout" else ()
+        (each an int64): ("seed",) for an op whose definition draws random numbers (dropout),
+        else none."""
+        if self.info.expr is None:
+            return ()
+        return ("seed",) if optable.definition(self.info, self.params).seeded else ()
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -164,17 +167,16 @@ class UnarySpec(_SpecBase):
         info, m, n = self.info, self.m, self.n
         din, dout = self.dtype_in, self.dtype_out
         if info.kind == "map":
+            definition = optable.definition(info, self.params)
             ops = []
-            if self.op != "zero":
+            if "in" in definition.reads:
                 ops.append(_input_operand("in", self.bcast, din, m, n, self.ldi, "ldi"))
             ops.append(Operand("out", "out", "block", dout, m, n, self.ldo, "ldo"))
-            if (self.op == "relu" and self.param("bitmask")) or self.op == "dropout":
+            if definition.mask:
                 ops.append(Operand("mask", "out", "mask", _dt.U8, m, mask_bytes(n)))
             return tuple(ops)
         if info.kind == "map_inv":
-            second = info.second
-            if self.op == "relu_inv" and self.param("bitmask"):
-                second = "mask"
+            second = info.second_operand(dict(self.params))
             if second == "mask":
                 extra = Operand("mask", "in", "mask", _dt.U8, m, mask_bytes(n))
             else:
@@ -228,7 +230,7 @@ class BinarySpec(_SpecBase):
                _input_operand("in1", self.bcast_in1, self.dtype_in1, m, n, self.ldi1, "ldi1"))
         if self.info.kind == "compare":
             return ins + (Operand("mask", "out", "mask", _dt.U8, m, mask_bytes(n)),)
-        role = "inout" if self.op == "muladd" else "out"
+        role = "inout" if self.info.reads_out else "out"
         return ins + (Operand("out", role, "block", self.dtype_out, m, n, self.ldo, "ldo"),)
 
 
@@ -254,10 +256,11 @@ def make_unary(op, m, n, *, ldi=None, ldo=None, dtype_in="f32", dtype_out=None,
     dout = din if dtype_out is None else _dt.float_dtype(dtype_out, "dtype_out")
     comp = _comp(dtype_comp)
     bcast = _bcast(bcast, "bcast")
-    if op == "replicate_col":
-        if bcast not in (None, "col"):
-            raise SpecError(f"replicate_col reads a column; bcast must be 'col' or None, got {bcast!r}")
-        bcast = "col"
+    if info.bcast is not None:
+        if bcast not in (None, info.bcast):
+            raise SpecError(f"{op} reads a {info.bcast}; bcast must be {info.bcast!r} or None, "
+                            f"got {bcast!r}")
+        bcast = info.bcast
     if bcast is not None and info.kind != "map":
         raise SpecError(f"op {op!r} takes no broadcast input (bcast={bcast!r})")
     if info.kind in ("transpose", "vnni2", "vnni2_inv", "gather", "scatter") and din is not dout:

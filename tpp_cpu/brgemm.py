@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
+from tpp import optable
 from tpp.spec import mask_bytes
 
 from . import irx, mapops
@@ -33,7 +34,6 @@ from .irx import F32, I16, I32, I64, PTR, i64, vec
 
 UNROLL_STEPS = 8     # k steps per iteration of the k loop
 STRAIGHT_STEPS = 16  # up to this many k steps, no k loop at all
-LOOPED_ACTIVATIONS = ("gelu", "sigmoid", "tanh")   # long vector code: one copy per column
 
 
 def generate(spec, target, symbol: str) -> ir.Module:
@@ -56,8 +56,14 @@ class _Generator:
         registers = 32 if target.lanes == 16 else 16
         widened = 2 if (spec.vnni_b and not self.dot) else 1
         self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened)
+        # (op info, params) of the epilogue's activation
+        self.activation = None if spec.activation is None else \
+            optable.epilogue(spec.activation, spec.bitmask)
+        # activations with long vector code (transcendentals) run in a loop: one copy per column
+        self.looped = self.activation is not None and mapops.uses_transcendentals(
+            *self.activation)
         self.scratch = None
-        if spec.activation in LOOPED_ACTIVATIONS:   # in the entry block: one fixed stack slot
+        if self.looped:   # in the entry block: one fixed stack slot
             most = max(rg.rows for rg in self.blocking.row_groups) * \
                 max(cg.vectors for cg in self.blocking.col_groups)
             self.scratch = b.alloca(vec(F32, target.lanes), size=most, name="tile")
@@ -261,7 +267,7 @@ class _Generator:
         if spec.bias:
             bias = [irx.load_f32(b, self.pbias, cols[v], spec.dtype_c, lanes, counts[v])
                     for v in range(vectors)]
-        if spec.activation not in LOOPED_ACTIVATIONS:
+        if not self.looped:
             for r in range(rows):
                 for v in range(vectors):
                     self.finish(acc[r * vectors + v], b.add(row0, i64(r)), cols[v], bias, v,
@@ -283,12 +289,11 @@ class _Generator:
         spec, b = self.spec, self.b
         if bias is not None:
             x = b.fadd(x, bias[v])
-        if spec.activation is not None:
-            ctx = mapops.MapContext(b, {"bitmask": spec.bitmask, "approximate": "none"},
-                                    self.lanes)
-            x = mapops.UNARY[spec.activation](ctx, x)
+        if self.activation is not None:
+            results = mapops.render(*self.activation, b, self.lanes, {"in": x})
+            x = results[0]
         if spec.bitmask:
-            x, bits = x
+            bits = results[1]
             byte = b.add(b.mul(row, i64(mask_bytes(spec.n))), b.udiv(col, i64(8)))
             irx.store_bits(b, bits, self.pmask, byte, count)
         irx.store_f32(b, x, self.pc, c_offset, spec.dtype_c, count)

@@ -2,7 +2,8 @@
 
 Shape of the code: a loop over the m rows; in each row a loop over full vectors of `lanes`
 columns and, when n is not a multiple of lanes, one masked tail vector. Every input is widened to
-f32, the op's expression (`mapops`) is applied, and the result is narrowed to the output dtype.
+f32, the op's definition (`tpp.optable`, rendered by `mapops`) is applied, and the result is
+narrowed to the output dtype.
 Broadcast inputs are loaded once where they do not depend on the loop: a scalar before the row
 loop, a column element per row, a row vector per column chunk.
 
@@ -26,7 +27,6 @@ def generate(spec, target, symbol: str) -> ir.Module:
     info = spec.info
     module, b, ptrs, scalars = irx.new_kernel(symbol, len(operands), len(spec.scalars))
     seed = scalars[0] if spec.scalars else None
-    params = dict(spec.params)
     lanes = target.lanes
     m, n = spec.m, spec.n
     full, tail = divmod(n, lanes)
@@ -40,31 +40,31 @@ def generate(spec, target, symbol: str) -> ir.Module:
 
     def chunk(row, col, count, streaming=False):
         w = lanes
-        inputs = []
+        values = {}
         for k, op in enumerate(operands):
             if op.role == "out":
                 continue
             if op.layout == "block":
-                inputs.append(irx.load_f32(b, ptrs[k], b.add(b.mul(row, i64(op.ld)), col),
-                                           op.dtype, w, count))
+                value = irx.load_f32(b, ptrs[k], b.add(b.mul(row, i64(op.ld)), col),
+                                     op.dtype, w, count)
             elif op.layout == "row":
-                inputs.append(irx.load_f32(b, ptrs[k], col, op.dtype, w, count))
+                value = irx.load_f32(b, ptrs[k], col, op.dtype, w, count)
             elif op.layout == "col":
-                value = irx.load_scalar(b, ptrs[k], row, irx.storage_type(op.dtype))
-                inputs.append(irx.to_f32(b, irx.splat(b, value, w), op.dtype))
+                scalar = irx.load_scalar(b, ptrs[k], row, irx.storage_type(op.dtype))
+                value = irx.to_f32(b, irx.splat(b, scalar, w), op.dtype)
             elif op.layout == "scalar":
-                inputs.append(hoisted[k])
+                value = hoisted[k]
             elif op.layout == "mask":
                 offset = b.add(b.mul(row, i64(n_bytes)), b.udiv(col, i64(8)))
-                inputs.append(irx.load_bits(b, ptrs[k], offset, w, count))
+                value = irx.load_bits(b, ptrs[k], offset, w, count)
+            values[op.name] = value
 
         def flat_index():
             base = b.trunc(b.add(b.mul(row, i64(n)), col), I32)
             lane = irx.indices(range(w))
             return b.add(irx.splat(b, base, w), lane)
 
-        ctx = mapops.MapContext(b, params, w, flat_index, seed)
-        results = _emit(spec, info, ctx, inputs)
+        results = mapops.render(info, spec.params, b, w, values, flat_index, seed)
         outs = [(k, op) for k, op in enumerate(operands) if op.role in ("out", "inout")]
         for (k, op), value in zip(outs, results):
             if op.layout == "mask":
@@ -90,15 +90,3 @@ def generate(spec, target, symbol: str) -> ir.Module:
         rows(False)
     b.ret_void()
     return module
-
-
-def _emit(spec, info, ctx, inputs) -> list:
-    """The output vectors of one chunk, in the order of the spec's output operands."""
-    if spec.family == "binary":
-        if info.kind == "compare":
-            return [mapops.compare(ctx, spec.op[4:], *inputs)]
-        return [mapops.BINARY[spec.op](ctx, *inputs)]
-    if info.kind == "map_inv":
-        return [mapops.UNARY_INV[spec.op](ctx, *inputs)]
-    result = mapops.UNARY[spec.op](ctx, *inputs)
-    return list(result) if isinstance(result, tuple) else [result]

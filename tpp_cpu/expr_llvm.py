@@ -14,7 +14,6 @@ from llvmlite import ir
 
 from tpp import expr as X
 from tpp import mathlib
-from tpp.errors import UnsupportedError
 
 from . import irx
 from .irx import F32, I1, I32, const, vec
@@ -91,12 +90,6 @@ def _emit(nd, b, w, leaf, memo):
 
 
 def _prim(nd, b, w, leaf, memo):
-    p = mathlib.PRIMS[nd.attr[0]]
-    if p.expand is not None:
-        body = p.expand(*nd.args)
-        return render([body], b, w, leaf, memo)[0]
-    from . import vecmath   # the hand-written LLVM versions, until every prim has an expansion
-    fn = getattr(vecmath, p.name, None)
-    if fn is None:
-        raise UnsupportedError(f"the CPU backend cannot render the transcendental {p.name!r}")
-    return fn(b, memo[nd.args[0]])
+    """A named transcendental: its `tpp.mathlib` expansion, rendered like any other nodes."""
+    body = mathlib.PRIMS[nd.attr[0]].expand(*nd.args)
+    return render([body], b, w, leaf, memo)[0]

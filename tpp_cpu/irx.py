@@ -80,8 +80,9 @@ def const(ty, value):
             if _is_zero(value):
                 return _Literal(ty, "zeroinitializer")
             return _Literal(ty, f"splat ({ir.Constant(ty.element, value)})")
-        return _cached(("splat", str(ty), type(value), value), make)
-    return _cached(("scalar", str(ty), type(value), value), lambda: ir.Constant(ty, value))
+        return _cached(("splat", str(ty), type(value), repr(value)), make)
+    # keyed by repr: -0.0 == 0.0 (and nan != nan) as Python floats, not as constants
+    return _cached(("scalar", str(ty), type(value), repr(value)), lambda: ir.Constant(ty, value))
 
 
 def undef(ty):
@@ -305,13 +306,14 @@ def store_vec(b, value, base, offset, count: int | None = None, streaming: bool 
 STREAM_BYTES = 16 << 20   # outputs at least this big are written with non-temporal stores
 
 
-def with_streaming(b, outputs, body):
+def with_streaming(b, outputs, body, force: bool = False):
     """Emit body(streaming) for a kernel writing `outputs`, a list of (pointer, rows, pitch in
-    bytes). If they total STREAM_BYTES or more and every pitch is a multiple of STREAM_PIECE,
-    two copies are emitted behind a run-time check that every pointer is 16-byte aligned: one
-    with non-temporal stores followed by an sfence, one without. Else body(False) alone."""
+    bytes). If they total STREAM_BYTES or more (or force) and every pitch is a multiple of
+    STREAM_PIECE, two copies are emitted behind a run-time check that every pointer is 16-byte
+    aligned: one with non-temporal stores followed by an sfence, one without. Else
+    body(False) alone."""
     total = sum(rows * pitch for _, rows, pitch in outputs)
-    if total < STREAM_BYTES or any(pitch % STREAM_PIECE for _, _, pitch in outputs):
+    if (total < STREAM_BYTES and not force) or any(pitch % STREAM_PIECE for _, _, pitch in outputs):
         body(False)
         return
     aligned = ir.Constant(I1, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tpp import optable
 from tpp.spec import mask_bytes
 
 from . import eltwise
@@ -148,8 +149,9 @@ def _block_pointer(spec, name) -> str:
 
 
 def _finish_fn(spec) -> str:
-    """The per-element epilogue: beta*C + bias, the activation, the rounded store; returns the
-    relu mask bit (0 outside the block)."""
+    """The per-element epilogue: beta*C + bias, the activation (its `tpp.optable` definition,
+    rendered like the element-wise kernels'), the rounded store; returns the relu mask bit
+    (0 outside the block)."""
     tc, load, store = _CTYPE[spec.dtype_c.name], _LOAD[spec.dtype_c.name], _STORE[spec.dtype_c.name]
     lines = ["  if (row >= M || col >= N) return 0u;",
              "  const long long at = (long long)row * LDC + col;",
@@ -158,10 +160,13 @@ def _finish_fn(spec) -> str:
         lines.append(f"  x += {load.format('c[at]')};")
     if spec.bias:
         lines.append(f"  x += {load.format('bias[col]')};")
-    y = eltwise.FORMULAS[spec.activation].format(approximate="none") if spec.activation else "x"
-    lines.append(f"  c[at] = {store.format(y)};")
-    lines.append("  return " + (f"({eltwise.FORMULAS['relu.mask']}) ? 1u : 0u;"
-                                if spec.bitmask else "0u;"))
+    values = ["x"]
+    if spec.activation:
+        definition = optable.definition(*optable.epilogue(spec.activation, spec.bitmask))
+        body, values = eltwise.body(definition, {"in": "x"})
+        lines += ["  " + line for line in body]
+    lines.append(f"  c[at] = {store.format(values[0])};")
+    lines.append("  return " + (f"{values[1]} ? 1u : 0u;" if spec.bitmask else "0u;"))
     return (f"__device__ __forceinline__ unsigned finish({tc}* c, const {tc}* bias, int row, "
             f"int col, float acc) {{\n" + "\n".join(lines) + "\n}\n"
             "// one relu mask byte: columns col..col+7 of row (col a multiple of 8)\n"
