@@ -168,8 +168,10 @@ class Equation:
         return define(*args, p)
 
     # ------------------------------------------------------------ compile
-    def spec(self, *outputs, dtypes=None, **named) -> "EquationSpec":
+    def spec(self, *outputs, dtypes=None, stream=False, **named) -> "EquationSpec":
         """The EquationSpec of these outputs (see compile)."""
+        if not isinstance(stream, bool):
+            raise SpecError(f"stream must be True or False, got {stream!r}")
         outs = [(("out" if k == 0 else f"out{k}"), nd) for k, nd in enumerate(outputs)]
         outs += list(named.items())
         if not outs:
@@ -219,11 +221,15 @@ class Equation:
                     for name, (_, layout, dt) in self._inputs.items())
         uses_seed = any(n.op == "seed" for n in X.topological(nodes))
         return EquationSpec(self.m, self.n, ins, tuple(self._params), tuple(out_specs),
-                            graph_text(nodes), uses_seed, tuple(nodes))
+                            graph_text(nodes), uses_seed, stream, tuple(nodes))
 
-    def compile(self, *outputs, dtypes=None, **named) -> "EquationKernel":
-        """The kernel computing the outputs (compiled on its first call, or by .compile())."""
-        return equation_kernel(self.spec(*outputs, dtypes=dtypes, **named))
+    def compile(self, *outputs, dtypes=None, stream=False, **named) -> "EquationKernel":
+        """The kernel computing the outputs (compiled on its first call, or by .compile()).
+        stream=True writes the block outputs with non-temporal stores (where every output row
+        is 16-byte aligned; a run-time check picks the ordinary stores otherwise): for a kernel
+        called over many blocks whose outputs together exceed the caches, like a loop nest over
+        a big tensor. By default only a kernel whose own outputs exceed them streams."""
+        return equation_kernel(self.spec(*outputs, dtypes=dtypes, stream=stream, **named))
 
 
 def graph_text(outputs) -> str:
@@ -248,6 +254,7 @@ class EquationSpec:
     outputs: tuple       # (name, layout, dtype, ld) per output: block/col/vector/scalar/mask
     graph: str           # graph_text of the output nodes
     uses_seed: bool
+    stream: bool = False  # write big block outputs with non-temporal stores (see compile)
     nodes: tuple = field(compare=False, repr=False, default=())
     family = "equation"
     op = "equation"
@@ -259,7 +266,7 @@ class EquationSpec:
         ins = ";".join(f"{n}:{lay}:{dt}:{ld}" for n, lay, dt, ld in self.inputs)
         outs = ";".join(f"{n}:{lay}:{dt}:{ld}" for n, lay, dt, ld in self.outputs)
         return (f"equation(m={self.m},n={self.n},inputs={ins},params={','.join(self.params)},"
-                f"outputs={outs},graph={self.graph})")
+                f"outputs={outs},stream={self.stream},graph={self.graph})")
 
     @property
     def scalars(self) -> tuple:

@@ -12,7 +12,8 @@ Two schedules:
            row alone (it stays in L1 between them), accumulators in registers (UNROLL vectors
            per reduction, one per unrolled vector, combined and reduced horizontally once).
   general  any other mix: each pass runs over the whole block; an axis-0 result (n values) and
-           an axis-1 result (m values) live in stack arrays, a scalar result in one slot.
+           an axis-1 result (m values) live in stack arrays, a scalar result in one slot. Within
+           a row, the axis-1 reductions of a pass accumulate in registers as in rowwise.
 
 Values that do not vary along a row (per-row or scalar nodes) are computed once per row or once
 per kernel, not per vector. Tail lanes past n enter reductions as the reduction's identity.
@@ -262,7 +263,8 @@ class _Gen:
         blocks = [(self.ptr[name], self.m, ld * dt.itemsize)
                   for name, layout, dt, ld in self.spec.outputs if layout == "block"]
         if self.full and blocks:
-            irx.with_streaming(b, blocks, lambda streaming: emit(dict(base), streaming))
+            irx.with_streaming(b, blocks, lambda streaming: emit(dict(base), streaming),
+                               force=self.spec.stream)
         else:
             emit(base, False)
         b.ret_void()
@@ -311,9 +313,15 @@ class _Gen:
                     per_row = [r for r in by_row if r.args[0].shape == "col"]
                     if per_row:
                         self.accumulate(per_row, memo, row, None, None)
-                    blocks = [r for r in by_row if r.args[0].shape == "block"]
-                    if blocks:
-                        self.chunks(lambda col, count: self.accumulate(blocks, dict(memo), row,
+                    along = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 1]
+                    if along:       # along the row: register accumulators, then one store
+                        self.rowwise_level(row, memo, along)
+                        for r in along:
+                            lane = b.extract_element(memo.pop(r), ir.Constant(I32, 0))
+                            b.store(lane, irx.element_ptr(b, self.result_ptr(r), row, F32))
+                    down = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 0]
+                    if down:        # down the columns: n stored accumulators
+                        self.chunks(lambda col, count: self.accumulate(down, dict(memo), row,
                                                                        col, count))
             self.done.update(reds)
         self.store_outputs(dict(base), i64(0), i64(0), 1, ("scalar",))

@@ -1,6 +1,6 @@
 """Which CUDA generator module builds a spec, and the generator contract through it.
 
-Every generator module (eltwise, transform, brgemm) offers `kernel_name(spec)`, `source(spec)`,
+Every generator module (eltwise, transform, brgemm, equation) offers `kernel_name(spec)`, `source(spec)`,
 `launch(spec) -> Launch` and `supported(spec)`; `module_for(spec)` picks the one for a spec and
 the functions below delegate to it, so callers (the runtime, the tests) need not know which.
 """
@@ -23,6 +23,9 @@ def _brgemm():
 
 def module_for(spec):
     """The generator module that builds `spec`; UnsupportedError when none does."""
+    if spec.family == "equation":
+        from . import equation
+        return equation
     if spec.family == "brgemm":
         module = _brgemm()
         if module is None:
