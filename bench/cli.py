@@ -4,6 +4,7 @@
                                       gemm, mlp at their quick sizes; ~30 s)
     tpp-bench gemm mlp                ops.matmul, ops.mlp_forward/backward at full sizes (~1 min)
     tpp-bench eltwise jit             named suites
+    tpp-bench norm                    LayerNorm, RMSNorm, softmax (ops.norms) vs torch, 1 thread
     tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
     tpp-bench brgemm --dtype bf16 --csv out.csv --plot out.png   (out-brgemm.png, ...)
     tpp-bench info                    the machine, the selected target, library versions

@@ -5,6 +5,9 @@
     y = ops.linear(x, w, bias, "gelu")        # torch.nn.functional.linear + activation
     y, saved = ops.mlp_forward(x, w, bias, "gelu"); dx, dw, db = ops.mlp_backward(dy, saved)
 
+    y = ops.layer_norm(x, w, b); y = ops.rms_norm(x, w); p = ops.softmax(x, mask=m, scale=s)
+                                              # equations over row blocks (ops.norms)
+
 PyTorch drop-ins live in ops.torch (imported on demand: torch is optional).
 
 Bad input is a tpp.TPPError subclass at every entry point: a wrong type, shape or dtype, an
@@ -13,7 +16,13 @@ out= torch tensor that requires grad while autograd records, and an unknown keyw
 """
 from .matmul import ACTIVATIONS, Blocking, choose_blocking, linear, matmul
 from .mlp import Saved, mlp, mlp_backward, mlp_forward
+from .norms import (bias_act_dropout, bias_act_dropout_backward, layer_norm,
+                    layer_norm_backward, layer_norm_forward, rms_norm, rms_norm_backward,
+                    rms_norm_forward, softmax, softmax_backward)
 from .packing import PackedWeight, pack_kn, pack_nk
 
 __all__ = ["matmul", "linear", "Blocking", "choose_blocking", "PackedWeight", "pack_kn",
-           "pack_nk", "ACTIVATIONS", "mlp", "mlp_forward", "mlp_backward", "Saved"]
+           "pack_nk", "ACTIVATIONS", "mlp", "mlp_forward", "mlp_backward", "Saved",
+           "layer_norm", "layer_norm_forward", "layer_norm_backward", "rms_norm",
+           "rms_norm_forward", "rms_norm_backward", "softmax", "softmax_backward",
+           "bias_act_dropout", "bias_act_dropout_backward"]

@@ -1,4 +1,6 @@
-"""PyTorch drop-ins running on the TPP operators: a Linear layer and an MLP, with autograd.
+"""PyTorch drop-ins running on the TPP operators: a Linear layer and an MLP, with autograd
+(LayerNorm, RMSNorm and the functional layer_norm, rms_norm and softmax come from
+ops.torch_norms and are re-exported here).
 
     import ops.torch
     layer = ops.torch.Linear(768, 3072, activation="gelu")     # torch.nn.Linear's constructor
@@ -43,7 +45,8 @@ from ops.mlp import forward_checked as _forward_checked
 from tpp import checks
 from tpp.errors import ArgumentError, UnsupportedError
 
-__all__ = ["LinearFunction", "Linear", "MLP", "linear"]
+__all__ = ["LinearFunction", "Linear", "MLP", "linear", "LayerNorm", "RMSNorm", "layer_norm",
+           "rms_norm", "softmax"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
@@ -403,3 +406,7 @@ def _sizes(hidden_features):
     if not hidden:
         raise ArgumentError("hidden_features: expected at least one layer size, got none")
     return [_size(h, f"hidden_features[{i}]") for i, h in enumerate(hidden)]
+
+
+# the norm and softmax drop-ins live in their own module (ops.torch_norms)
+from ops.torch_norms import LayerNorm, RMSNorm, layer_norm, rms_norm, softmax  # noqa: E402

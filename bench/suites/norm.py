@@ -1,0 +1,199 @@
+"""norm: GB/s of LayerNorm, RMSNorm and softmax (ops.norms, TPP equations) vs torch, one thread.
+
+Cases, f32, one thread (tpp and torch pinned to 1), shape rows x n:
+  layer_norm fwd       ops.layer_norm(x, w, b)             vs F.layer_norm
+  layer_norm fwd+bwd   layer_norm_forward + layer_norm_backward (dx, dw, db)
+                                                            vs F.layer_norm + autograd.grad
+  rms_norm fwd, rms_norm fwd+bwd    the same with ops.rms_norm_* vs F.rms_norm
+  softmax fwd, softmax fwd+bwd      ops.softmax(_backward) vs torch.softmax (+ autograd.grad),
+                                    on rows of 1024 and of 128 (the same element count)
+  copy                 np.copyto of an array of the same size (the yardstick, provider numpy)
+Sizes: 4096 x 1024 (softmax also 32768 x 128); --quick (and the default set): 1024 x 1024 and
+8192 x 128; --tiny: 64 x 128. GB/s counts the bytes a call must move once: forward read x +
+write y (2 * rows * n * 4), the backward read x (or y) and dy and write dx (3 * rows * n * 4);
+weights and per-row statistics are ignored (under 0.5 %). Every record carries
+extra["copy_gbps"] (the copy measured in this run, at the same size) and
+extra["copy_fraction"] (its GB/s over that copy's); tpp records get ratios vs torch from the
+report (fill_ratios). Both providers allocate their outputs in every call, as a model does.
+tpp's results are checked against torch's once per case (extra["verified"]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import register
+from ..timing import looped
+from ._common import bandwidth_record, empty, filled, quick_sizes, team, timed_group
+
+SUITE = "norm"
+SIZES = {"full": ((4096, 1024), (32768, 128)), "quick": ((1024, 1024), (8192, 128)),
+         "tiny": ((64, 128), (64, 128))}
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str             # layer_norm, rms_norm, softmax
+    backward: bool
+    rows: int
+    n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.op} {'fwd+bwd' if self.backward else 'fwd'}"
+
+    @property
+    def nbytes(self) -> int:
+        return (5 if self.backward else 2) * self.rows * self.n * 4
+
+
+def cases(mode: str) -> list:
+    (m, n), (m_short, n_short) = SIZES[mode]
+    out = [Case(op, bwd, m, n) for op in ("layer_norm", "rms_norm", "softmax")
+           for bwd in (False, True)]
+    if (m_short, n_short) != (m, n):
+        out += [Case("softmax", bwd, m_short, n_short) for bwd in (False, True)]
+    return out
+
+
+@register(SUITE, default=False,
+          help="GB/s of LayerNorm, RMSNorm, softmax forward and forward+backward (ops.norms) "
+               "vs torch, one thread, with the copy bandwidth of the same size")
+def run(ctx):
+    if not ctx.wants_dtype("f32"):
+        return
+    mode = "tiny" if ctx.config.tiny else ("quick" if quick_sizes(ctx) else "full")
+    rng = np.random.default_rng(5)
+    copies = {}
+    with team(ctx, 1):
+        for case in cases(mode):
+            shape = (case.rows, case.n)
+            if shape not in copies:
+                copies[shape] = _copy(ctx, shape, rng)
+            _run_case(ctx, case, rng, copies[shape])
+
+
+def _copy(ctx, shape, rng):
+    """Measure np.copyto of this shape (provider numpy, case copy); its GB/s or None."""
+    if not ctx.wants("numpy"):
+        return None
+    x = filled(rng.standard_normal(shape, dtype=np.float32))
+    out = empty(shape)
+    out[...] = 0
+    nbytes = 2 * x.nbytes
+    stats = timed_group(ctx, f"norm copy {shape[0]}x{shape[1]}",
+                        {"numpy": looped(np.copyto, out, x)}).get("numpy")
+    if stats is None:
+        return None
+    rec = bandwidth_record(ctx, suite=SUITE, case="copy", provider="numpy", shape=shape,
+                           stats=stats, nbytes=nbytes, threads=1)
+    return rec.median
+
+
+def _data(case: Case, rng) -> dict:
+    m, n = case.rows, case.n
+    return {"x": filled(rng.standard_normal((m, n), dtype=np.float32) + np.float32(0.5)),
+            "dy": filled(rng.standard_normal((m, n), dtype=np.float32)),
+            "w": filled(rng.standard_normal(n, dtype=np.float32)),
+            "b": filled(rng.standard_normal(n, dtype=np.float32))}
+
+
+def _tpp(case: Case, d: dict):
+    """step() -> the outputs of one call (a tuple of arrays)."""
+    import ops.norms as N
+    x, dy, w, b = d["x"], d["dy"], d["w"], d["b"]
+    if case.op == "layer_norm":
+        if not case.backward:
+            return lambda: (N.layer_norm(x, w, b),)
+
+        def step():
+            y, mean, rstd = N.layer_norm_forward(x, w, b)
+            return (y, *N.layer_norm_backward(dy, x, mean, rstd, w))
+        return step
+    if case.op == "rms_norm":
+        if not case.backward:
+            return lambda: (N.rms_norm(x, w, 1e-6),)
+
+        def step():
+            y, rstd = N.rms_norm_forward(x, w, 1e-6)
+            return (y, *N.rms_norm_backward(dy, x, rstd, w))
+        return step
+    if not case.backward:
+        return lambda: (N.softmax(x),)
+
+    def step():
+        y = N.softmax(x)
+        return y, N.softmax_backward(dy, y)
+    return step
+
+
+def _torch(torch, case: Case, d: dict):
+    F = torch.nn.functional
+    x, dy, w, b = (torch.from_numpy(d[k]) for k in ("x", "dy", "w", "b"))
+    n = case.n
+    if case.op == "layer_norm":
+        fwd = lambda *t: F.layer_norm(t[0], (n,), t[1], t[2])      # noqa: E731
+        args = (x, w, b)
+    elif case.op == "rms_norm":
+        fwd = lambda *t: F.rms_norm(t[0], (n,), t[1], 1e-6)        # noqa: E731
+        args = (x, w)
+    else:
+        fwd = lambda *t: torch.softmax(t[0], -1)                   # noqa: E731
+        args = (x,)
+    if not case.backward:
+        return lambda: (fwd(*args),)
+    params = tuple(t.clone().requires_grad_() for t in args)
+    grad = torch.autograd.grad
+
+    def step():
+        y = fwd(*params)
+        return (y.detach(), *grad(y, params, dy))
+    return step
+
+
+def _run_case(ctx, case: Case, rng, copy_gbps):
+    label = f"norm {case.name} {case.rows}x{case.n}"
+    d = _data(case, rng)
+    runs, steps = {}, {}
+    if ctx.wants("tpp"):
+        try:
+            steps["tpp"] = _tpp(case, d)
+            steps["tpp"]()       # compile outside the timing
+        except Exception as exc:  # noqa: BLE001
+            ctx.failed(f"{label} tpp", exc)
+            steps.pop("tpp", None)
+    torch = ctx.torch
+    if torch is not None:
+        steps["torch"] = _torch(torch, case, d)
+    runs = {k: looped(v) for k, v in steps.items()}
+    results = timed_group(ctx, label, runs)
+    verified = None
+    if "tpp" in steps and "torch" in steps and ctx.config.verify:
+        verified = _verify(ctx, label, steps["tpp"](), steps["torch"]())
+    for provider, stats in results.items():
+        extra = {"threads": 1}
+        if copy_gbps:
+            extra["copy_gbps"] = copy_gbps
+            extra["copy_fraction"] = case.nbytes / stats.median / 1e9 / copy_gbps
+        if provider == "tpp" and verified is not None:
+            extra["verified"] = verified
+        bandwidth_record(ctx, suite=SUITE, case=case.name, provider=provider,
+                         shape=(case.rows, case.n), stats=stats, nbytes=case.nbytes, **extra)
+
+
+def _verify(ctx, label, ours, theirs) -> bool | None:
+    try:
+        ok = True
+        for a, t in zip(ours, theirs):
+            if a is None:
+                continue
+            t = t.detach().numpy()
+            scale = max(1.0, float(np.max(np.abs(t))))
+            ok &= bool(np.allclose(np.asarray(a), t, rtol=1e-3, atol=1e-3 * scale))
+    except Exception as exc:  # noqa: BLE001
+        ctx.failed(f"{label} verification", exc)
+        return None
+    if not ok:
+        ctx.note(f"{label} tpp: WRONG RESULTS vs torch; its bandwidth is not meaningful")
+    return ok

@@ -1,0 +1,848 @@
+"""LayerNorm, RMSNorm, softmax and bias + activation + dropout from TPP equations, forward and
+backward, in compiled loop nests over row blocks.
+
+    y = ops.layer_norm(x, weight, bias, eps=1e-5)              # over the last axis
+    y, mean, rstd = ops.layer_norm_forward(x, weight, bias)   # keeps what the backward needs
+    dx, dweight, dbias = ops.layer_norm_backward(dy, x, mean, rstd, weight)
+    y = ops.rms_norm(x, weight, eps=1e-6);  y, rstd = ops.rms_norm_forward(x, weight)
+    dx, dweight = ops.rms_norm_backward(dy, x, rstd, weight)
+    y = ops.softmax(x, mask=None, scale=None)                 # softmax(x * scale + mask)
+    dx = ops.softmax_backward(dy, y, scale=None)
+    y, keep = ops.bias_act_dropout(x, bias, "gelu", p=0.1, seed=7)
+    dx, dbias = ops.bias_act_dropout_backward(dy, x, bias, keep, "gelu", p=0.1)
+
+Data: numpy arrays or torch CPU tensors (the result is of the kind given) of any leading shape
+(..., n), viewed as (rows, n); f32, or bf16 (bf16 in and out, f32 arithmetic and statistics:
+mean and rstd are f32 arrays of the leading shape). weight and bias: (n,) of f32 or bf16 (their
+gradients come back in their dtype). Non-contiguous inputs are copied to a contiguous array
+first (no error). Bad input raises tpp.errors.ArgumentError: a wrong shape, a dtype other
+than f32/bf16, a negative or non-finite eps, an unknown keyword.
+
+How. Each operator is an equation (tpp.equation) over a block of `bm` rows by all n columns:
+the compiler fuses a row's reductions and element-wise work into a few passes over the row
+while it is in L1. One loop nest runs it over the rows, whose count M is a size of the nest
+(tpp.size): blocks of bm rows in parallel (the upper-case loop), then the rows past the last
+full block one at a time by the same equation built for 1 row. A nest is compiled once per
+(operator, n, dtypes, options) and cached; a new row count compiles nothing.
+
+Weight and bias gradients (sums over all rows) are equation outputs reduced along axis 0: each
+block (and each remainder row) writes its partial row to an f32 scratch tensor of
+M // bm + M % bm rows, which a column-sum nest (ops.blocked.column_sums, a BRGEMM of a ones row)
+adds up in f32 and rounds once to the parameter's dtype. A backward step calls two equations
+on its block: dx (per-row reductions only, so the equation compiler's row-wise schedule keeps
+each row in L1 across its passes) and then the partial rows (axis-0 reductions only: one pass
+over the block, which the first equation just left in L2); one equation with both kinds of
+reduction would take the compiler's general schedule (whole-block passes, a horizontal sum per
+vector for the per-row reductions). Parameter gradients need n <= MAX_GRAD_COLS (65536, the
+equations' stack limit for an axis-0 result): ArgumentError beyond.
+
+The backward equations are not written by hand: they are tpp.autodiff.grad of the forward
+equations (the vector-Jacobian product over the IR), with the saved per-row statistics put in
+place of their recomputation (`_saved`): mean and rstd for the norms; for softmax the saved
+output y in place of exp(z - max) and 1 in place of the row sum (the gradient is invariant to
+scaling both, so this is exact algebra). A last rewrite (`_lean`) turns block divisions by
+per-row (or per-column) values into multiplications by reciprocals computed once per row.
+
+Performance (one thread, 4096 x 1024 f32; bench/suites/norm.py, `tpp-bench norm`): the
+forward nests run at about the copy bandwidth of the same size when their output is
+preallocated; as operators they allocate. softmax is bound by exp (tpp.mathlib's expansion):
+its f32 forward calls three equations per block so that exp runs once per element. A step's
+kernels write with ordinary stores: tpp_cpu streams (non-temporal stores) only a single call
+writing >= 16 MiB, so the output's cache lines are read before they are written.
+
+LayerNorm forward:  mu = mean(x), var = mean((x - mu)^2) (two passes: no cancellation),
+rstd = 1 / sqrt(var + eps), y = fma(x, rstd, -mu * rstd) * w + b.
+RMSNorm forward:    rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * w.
+softmax forward:    z = x * scale + mask, y = exp(z - max(z)) * (1 / sum(exp(z - max(z)))).
+
+Dropout uses the op table's `dropout` definition (tpp.optable: a counter-based stream, a
+function of (seed, element)); each row block draws with its own seed, (seed mod 2**32) in the
+low word and (seed // 2**32 mod 2**16 + the block's first row) in the high word, so results
+depend on the seed, M and n only (not on the threads). The keep bitmask is (rows,
+ceil(n / 8)) uint8, tpp.spec's layout, bit j % 8 of byte j // 8 for column j.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+import tpp
+from tpp import arrays as _arrays
+from tpp import dtypes as _dt
+from tpp import expr as X
+from tpp.errors import ArgumentError
+from tpp.lru import also_clear
+from tpp.spec import mask_bytes
+
+from . import _host
+from .blocked import column_sums
+
+ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "sigmoid", "tanh", "silu")
+_DTYPES = (_dt.F32, _dt.BF16)
+_SERIAL_ELEMENTS = 1 << 16      # smaller problems run on one thread (waking the team costs more)
+MAX_GRAD_COLS = 1 << 16         # an axis-0 reduction keeps n f32 per block (equations' limit)
+_SCALARS: dict = {}             # value -> its read-only (1,) f32 array (eps, scale)
+
+
+def block_rows(n: int) -> int:
+    """Rows per step: 64 for rows under 256 columns, else 32 down to 8 so that a block of two
+    f32 arrays stays within 256 KiB (the second equation of a step reads it from L2). The
+    weight gradients' scratch costs 1/bm of the data."""
+    if n < 256:
+        return 64
+    return max(8, min(32, 32768 // n))
+
+
+# ---------------------------------------------------------------- graph helpers
+def _saved(nodes, mapping):
+    """nodes with the forward's nodes in mapping replaced by saved values (X.substitute)."""
+    return X.substitute(list(nodes), mapping)
+
+
+def _lean(nodes):
+    """nodes rewritten for speed: a block divided by a col, row or scalar value becomes a
+    multiplication by its reciprocal (computed once per row or column; 1 / (1 / r) is r), and
+    x * 1, x / 1 are x. Changes only the last rounding of such quotients."""
+    memo = {}
+
+    def recip(d):
+        if d.op == "div" and d.args[0].op == "const" and X.const_value(d.args[0]) == 1.0:
+            return d.args[1]
+        return X.div(1.0, d)
+
+    def one(n):
+        return n.op == "const" and X.const_value(n) == 1.0
+
+    def rebuild(n):
+        got = memo.get(n)
+        if got is not None:
+            return got
+        if not n.args:
+            out = n
+        else:
+            args = tuple(rebuild(a) for a in n.args)
+            out = None
+            if n.op == "div" and one(args[1]):
+                out = args[0]
+            elif n.op == "mul" and one(args[1]):
+                out = args[0]
+            elif n.op == "mul" and one(args[0]):
+                out = args[1]
+            elif n.op == "div" and args[0].shape == "block" and args[1].shape != "block":
+                out = X.mul(args[0], recip(args[1]))
+            if out is None:
+                if all(x is y for x, y in zip(args, n.args)):
+                    out = n
+                elif n.op in X.REDUCTIONS:
+                    out = X.reduce(n.op, args[0], n.attr[0])
+                else:
+                    out = X.node(n.op, args, n.attr, n.kind)
+        memo[n] = out
+        return out
+
+    for n in X.topological(nodes):
+        rebuild(n)
+    return [memo[n] for n in nodes]
+
+
+def _grad(outputs, wrt, cotangents, stop=()):
+    from tpp.autodiff import grad
+    return grad(outputs, wrt, cotangents, stop_gradient=stop)
+
+
+# ---------------------------------------------------------------- the equations
+# Each builder takes the block's rows and returns an EquationSpec; operands of the same name
+# in every builder of one nest (the nest declares one tensor per operand name).
+
+def _ln_forward_graph(eq, has_w, has_b, dt, wdt):
+    x = eq.input("x", dtype=dt)
+    w = eq.input("weight", dtype=wdt, bcast="row") if has_w else None
+    b = eq.input("bias", dtype=wdt, bcast="row") if has_b else None
+    eps = eq.param("eps")
+    mu = eq.mean(x, 1)
+    xc = x - mu
+    s = eq.sqrt(eq.mean(xc * xc, 1) + eps)
+    rstd = 1.0 / s
+    y = eq.fma(x, rstd, -(mu * rstd))
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return x, w, b, mu, s, rstd, y
+
+
+def _ln_forward(rows, n, dt, wdt, has_w, has_b, stats=True):
+    """y, and the mean and rstd when stats (the training forward; inference writes y alone:
+    fewer tensors make a cheaper call)."""
+    eq = tpp.equation(rows, n)
+    *_, mu, s, rstd, y = _ln_forward_graph(eq, has_w, has_b, dt, wdt)
+    if not stats:
+        return (eq.spec(y=y, dtypes={"y": dt}),)
+    return (eq.spec(y=y, mean=mu, rstd=rstd, dtypes={"y": dt}),)
+
+
+def _ln_backward(rows, n, dt, wdt, has_w, has_b, need):
+    """Two equations: dx (per-row reductions only: the rowwise schedule, in L1) and the
+    weight and bias partial rows (axis-0 reductions only: one pass over the block)."""
+    scratch = tpp.equation(rows, n)       # the forward graph (hash-consed: same nodes)
+    x, w, b, mu, s, rstd, y = _ln_forward_graph(scratch, has_w, has_b, dt, wdt)
+    dy = X.input("dy")
+    grads = _grad([y], [t for t in (x, w, b) if t is not None], [dy])
+    grads = _lean(_saved(grads, {mu: X.input("mean", "col"), rstd: X.input("rstd", "col"),
+                                 s: 1.0 / X.input("rstd", "col")}))
+    named = dict(zip([nm for nm, t in zip(("dx", "dweight", "dbias"), (x, w, b))
+                      if t is not None], grads))
+    specs = []
+    if need[0]:
+        eq = _declare(rows, n, dt, wdt, has_w, "x", "dy", "weight", "mean", "rstd")
+        specs.append(eq.spec(dx=named["dx"], dtypes={"dx": dt}))
+    params = {nm: named[nm] for nm, want in zip(("dweight", "dbias"), need[1:])
+              if want and nm in named}
+    if params:
+        eq = _declare(rows, n, dt, wdt, False, "x", "dy", "mean", "rstd")
+        specs.append(eq.spec(**params))
+    return tuple(specs)
+
+
+def _declare(rows, n, dt, wdt, has_w, *names):
+    """An equation with the inputs the backward equations read (those of `names`)."""
+    eq = tpp.equation(rows, n)
+    for name in names:
+        if name in ("x", "dy", "y"):
+            eq.input(name, dtype=dt)
+        elif name == "weight":
+            if has_w:
+                eq.input(name, dtype=wdt, bcast="row")
+        else:
+            eq.input(name, bcast="col")
+    return eq
+
+
+def _rms_forward_graph(eq, has_w, dt, wdt):
+    x = eq.input("x", dtype=dt)
+    w = eq.input("weight", dtype=wdt, bcast="row") if has_w else None
+    s = eq.sqrt(eq.mean(x * x, 1) + eq.param("eps"))
+    rstd = 1.0 / s
+    y = x * rstd
+    if w is not None:
+        y = y * w
+    return x, w, s, rstd, y
+
+
+def _rms_forward(rows, n, dt, wdt, has_w, stats=True):
+    eq = tpp.equation(rows, n)
+    *_, s, rstd, y = _rms_forward_graph(eq, has_w, dt, wdt)
+    if not stats:
+        return (eq.spec(y=y, dtypes={"y": dt}),)
+    return (eq.spec(y=y, rstd=rstd, dtypes={"y": dt}),)
+
+
+def _rms_backward(rows, n, dt, wdt, has_w, need):
+    """dx (rowwise) and the weight's partial rows (axis 0), as for _ln_backward."""
+    x, w, s, rstd, y = _rms_forward_graph(tpp.equation(rows, n), has_w, dt, wdt)
+    grads = _grad([y], [x] + ([w] if has_w else []), [X.input("dy")])
+    grads = _lean(_saved(grads, {rstd: X.input("rstd", "col"),
+                                 s: 1.0 / X.input("rstd", "col")}))
+    specs = []
+    if need[0]:
+        eq = _declare(rows, n, dt, wdt, has_w, "x", "dy", "weight", "rstd")
+        specs.append(eq.spec(dx=grads[0], dtypes={"dx": dt}))
+    if has_w and need[1]:
+        eq = _declare(rows, n, dt, wdt, False, "x", "dy", "rstd")
+        specs.append(eq.spec(dweight=grads[1]))
+    return tuple(specs)
+
+
+def _softmax_graph(eq, dt, mask, mdt, scaled):
+    x = eq.input("x", dtype=dt)
+    z = x * eq.param("scale") if scaled else x
+    if mask is not None:
+        z = z + eq.input("mask", dtype=mdt, bcast=None if mask == "block" else "row")
+    mx = eq.max(z, 1)
+    e = eq.exp(z - mx)
+    s = eq.sum(e, 1)
+    return x, mx, e, s, e / s
+
+
+def _softmax_forward(rows, n, dt, mask, mdt, scaled):
+    """f32: three equations per block, so that exp runs once per element: the row maxima;
+    e = exp(z - max) stored in the output; the output scaled by 1 / sum(e) in place (the block
+    is in L2). bf16: one equation (its passes recompute exp; e is kept in f32 that way)."""
+    eq = tpp.equation(rows, n)
+    x, mx, e, s, y = _softmax_graph(eq, dt, mask, mdt, scaled)
+    if dt != _dt.F32:
+        return (eq.spec(y=_lean([y])[0], dtypes={"y": dt}),)
+    first = tpp.equation(rows, n)
+    _softmax_graph(first, dt, mask, mdt, scaled)
+    second = tpp.equation(rows, n)
+    _softmax_graph(second, dt, mask, mdt, scaled)
+    mx_in = second.input("mx", bcast="col")
+    e_only = _saved([e], {mx: mx_in})[0]
+    third = tpp.equation(rows, n)
+    e_in = third.input("e", dtype=dt)
+    return (first.spec(mx=mx), second.spec(y=e_only),
+            third.spec(y=_lean([e_in / third.sum(e_in, 1)])[0]))
+
+
+def _softmax_backward(rows, n, dt, scaled):
+    x, mx, e, s, y = _softmax_graph(tpp.equation(rows, n), dt, None, None, scaled)
+    eq = tpp.equation(rows, n)
+    y_in = eq.input("y", dtype=dt)
+    dy = eq.input("dy", dtype=dt)
+    if scaled:
+        eq.param("scale")
+    dx, = _grad([y], [x], [dy], stop=[mx])
+    # dx depends on x only through e = exp(z - max) and s = sum(e), and is unchanged when
+    # both are scaled by one factor: with the factor 1/s, e is y and s is 1
+    dx, = _lean(_saved([dx], {y: y_in, e: y_in, s: X.const(1.0)}))
+    return (eq.spec(dx=dx, dtypes={"dx": dt}),)
+
+
+def _activation(eq, z, activation):
+    if activation is None:
+        return z
+    if activation == "gelu":
+        return eq.gelu(z)
+    if activation == "gelu_tanh":
+        return eq.gelu(z, approximate="tanh")
+    if activation == "relu":
+        return eq.relu(z)
+    if activation == "sigmoid":
+        return eq.sigmoid(z)
+    if activation == "tanh":
+        return eq.tanh(z)
+    return z * eq.sigmoid(z)        # silu
+
+
+def _bad_forward(rows, n, dt, bdt, has_b, activation, p):
+    eq = tpp.equation(rows, n)
+    z = eq.input("x", dtype=dt)
+    if has_b:
+        z = z + eq.input("bias", dtype=bdt, bcast="row")
+    y = _activation(eq, z, activation)
+    if p > 0:
+        y, keep = eq.op("dropout", y, p=p)
+        return (eq.spec(y=y, keep=keep, dtypes={"y": dt}),)
+    return (eq.spec(y=y, dtypes={"y": dt}),)
+
+
+def _bad_backward(rows, n, dt, bdt, has_b, activation, p, need):
+    """dx (element-wise) and the bias's partial rows: the bias's adjoint is the axis-0 sum of
+    x's, so the second equation reads the dx just written (in L2) instead of recomputing."""
+    eq = tpp.equation(rows, n)
+    x = eq.input("x", dtype=dt)
+    b = eq.input("bias", dtype=bdt, bcast="row") if has_b else None
+    z = x + b if has_b else x
+    y = _activation(eq, z, activation)
+    if p > 0:
+        # the forward's dropout with its draw replaced by the saved keep bitmask
+        y = X.select(eq.mask("keep"), y * float(1.0 / (1.0 - p)), 0.0)
+    dy = eq.input("dy", dtype=dt)
+    grads = _lean(_grad([y], [x] + ([b] if has_b else []), [dy]))
+    if not (has_b and need[1]):
+        return (eq.spec(dx=grads[0], dtypes={"dx": dt}),)
+    if not need[0]:
+        return (eq.spec(dbias=grads[1]),)
+    second = tpp.equation(rows, n)
+    dx_in = second.input("dx", dtype=dt)
+    dbias, = _saved([grads[1]], {grads[0]: dx_in})
+    return (eq.spec(dx=grads[0], dtypes={"dx": dt}), second.spec(dbias=dbias))
+
+
+_BUILDERS = {"ln_fwd": _ln_forward, "ln_bwd": _ln_backward, "rms_fwd": _rms_forward,
+             "rms_bwd": _rms_backward, "sm_fwd": _softmax_forward,
+             "sm_bwd": _softmax_backward, "bad_fwd": _bad_forward, "bad_bwd": _bad_backward}
+
+
+# ---------------------------------------------------------------- the nests
+_ALIASES = {"e": "y"}     # equation operand -> the nest tensor it reads (softmax's e is y)
+
+
+class _Nest:
+    """A compiled nest of one operator for one n (any M): `run(arrays by tensor name, m)`.
+    Its tensors are the operands of its equations, by name: block and bitmask operands
+    (M, cols), per-row ones (M,), rows (n,), params (1,) and partial rows (M // bm + M % bm,
+    n) f32. Each step calls the equations in order on one block of bm rows (or one row)."""
+
+    def __init__(self, kind, n, options, stream=False):
+        bm = block_rows(n)
+        self.bm, self.n = bm, n
+        build = _BUILDERS[kind]
+        specs = {bm: build(bm, n, *options), 1: build(1, n, *options)}
+        if stream:      # outputs bigger than the caches: non-temporal stores
+            specs = {k: tuple(sp.replace(stream=True) for sp in v) for k, v in specs.items()}
+        m = tpp.size("M")
+        full = m // bm
+        partial_rows = full + m - full * bm
+        nest = tpp.LoopNest("Aa", a=tpp.Loop(0, m, 1, blocks=(bm,)))
+        r, = nest.vars
+        tensors, self.names, self.layouts, self.dtypes = {}, [], {}, {}
+        self.seeded = any(spec.scalars for spec in specs[bm])
+        for spec in specs[bm]:
+            for op in spec.operands():
+                name = _ALIASES.get(op.name, op.name)
+                if name in tensors:
+                    continue
+                if op.layout in ("block", "mask"):
+                    shape = (m, op.cols)
+                elif op.layout == "col":
+                    shape = (m,)
+                elif op.layout == "row":
+                    shape = (n,)
+                elif op.layout == "scalar":
+                    shape = (1,)
+                else:                       # "vector": a partial row per block
+                    shape = (partial_rows, n)
+                tensors[name] = nest.tensor(name, shape, op.dtype)
+                self.names.append(name)
+                self.layouts[name], self.dtypes[name] = op.layout, op.dtype
+        seed = None
+        for rows, guard, part in ((bm, (r - r // bm * bm == 0, r + bm <= m), r // bm),
+                                  (1, (r >= full * bm,), full + r - full * bm)):
+            if self.seeded:
+                seed = tpp.size("SEEDLO") + (tpp.size("SEEDHI") + r) * (1 << 32)
+            for spec in specs[rows]:
+                args = []
+                for op in spec.operands():
+                    t = tensors[_ALIASES.get(op.name, op.name)]
+                    if op.layout in ("block", "mask", "col"):
+                        args.append(t[r])
+                    elif op.layout in ("row", "scalar"):
+                        args.append(t[0])
+                    else:
+                        args.append(t[part])
+                nest.call(spec, *args, when=guard, seed=seed if spec.scalars else None)
+        self.nest = nest.compile()
+        self.specs = specs
+        written = {_ALIASES.get(op.name, op.name) for spec in specs[bm] for op in spec.operands()
+                   if op.role == "out"}
+        # the tensors a call allocates: (name, layout, dtype) of those the nest writes
+        self.outputs = tuple((name, self.layouts[name], self.dtypes[name])
+                             for name in self.names if name in written)
+
+    def partial_rows(self, m):
+        return m // self.bm + m % self.bm
+
+    def run(self, arrays: dict, m: int, seed=None):
+        threads = 1 if m * self.n < _SERIAL_ELEMENTS else None
+        args = [arrays[name] for name in self.names]
+        if self.seeded:
+            self.nest(*args, threads=threads, SEEDLO=seed & 0xFFFFFFFF,
+                      SEEDHI=(seed >> 32) & 0xFFFF)
+        else:
+            self.nest.call(tuple(args), threads)
+
+
+@functools.lru_cache(maxsize=256)
+def _nest(kind, n, options, stream=False) -> _Nest:
+    return _Nest(kind, n, options, stream)
+
+
+# A call writing at least this many bytes of blocks uses the nest variant with non-temporal
+# stores (compiled on first such call): its output cannot stay in the caches, and streaming
+# skips reading each output line before writing it (4096 x 1024 f32 LayerNorm: ~25 -> ~32 GB/s).
+STREAM_BYTES = 8 << 20
+
+
+also_clear(_nest.cache_clear)      # tpp.clear_caches() empties it too
+
+
+# ---------------------------------------------------------------- argument handling
+def _rows(x, name):
+    """(x as a C-contiguous (M, n) array, leading shape, dtype)."""
+    x = _host.host(x, name)
+    shape = tuple(x.shape)
+    if len(shape) < 1:
+        raise ArgumentError(f"{name}: expected an array of shape (..., n), got a 0-d one")
+    if shape[-1] < 1:
+        raise ArgumentError(f"{name}: the last axis (n) is empty: shape {shape}")
+    dt = _dtype(x, name)
+    x2, lead = _host.rows(x, shape[-1], name)
+    return x2, lead, dt
+
+
+_KNOWN_DTYPES: dict = {}      # numpy / torch dtype object -> F32 or BF16 (those seen before)
+
+
+def _dtype(x, name):
+    native = getattr(x, "dtype", None)
+    try:
+        dt = _KNOWN_DTYPES.get(native)
+    except TypeError:   # unhashable
+        dt = None
+    if dt is not None:
+        return dt
+    try:
+        dt = _dt.lookup(native)
+    except Exception:   # noqa: BLE001 - any dtype tpp does not know
+        dt = None
+    if dt in _DTYPES:
+        _KNOWN_DTYPES[native] = dt
+    else:
+        raise ArgumentError(f"{name}: expected f32 or bf16 data, got {x.dtype}")
+    return dt
+
+
+def _vector(v, n, name):
+    """v, an (n,) f32 or bf16 array, contiguous; None stays None."""
+    if v is None:
+        return None
+    v = _host.host(v, name)
+    if tuple(v.shape) != (n,):
+        raise ArgumentError(f"{name}: expected shape ({n},) (the last axis of x), got "
+                            f"{tuple(v.shape)}")
+    _dtype(v, name)
+    return _host.contiguous(v)
+
+
+def _param_dtype(weight, bias, dt):
+    dts = {_dtype(v, "weight") for v in (weight, bias) if v is not None}
+    if len(dts) > 1:
+        raise ArgumentError(f"weight and bias must have one dtype, got {sorted(map(str, dts))}")
+    return dts.pop() if dts else dt
+
+
+def _eps(eps, name="eps"):
+    if isinstance(eps, bool):
+        raise ArgumentError(f"{name} must be a number, got {eps!r}")
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{name} must be a number, got {eps!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ArgumentError(f"{name} must be finite and >= 0, got {eps!r}")
+    return value
+
+
+def _scalar(value):
+    got = _SCALARS.get(value)
+    if got is None:
+        if len(_SCALARS) >= 64:
+            _SCALARS.clear()
+        got = _SCALARS[value] = np.full(1, value, np.float32)
+        got.flags.writeable = False
+    return got
+
+
+def _grad_cols(n, what):
+    if n > MAX_GRAD_COLS:
+        raise ArgumentError(f"{what}: the parameter gradients are equation reductions over the "
+                            f"rows, limited to n <= {MAX_GRAD_COLS} columns; got n = {n}")
+
+
+def _same_rows(a, like, m, n, name, dt=None):
+    """a as (m, n) rows of like's leading shape (it must have x's shape)."""
+    a = _host.host(a, name)
+    if tuple(a.shape) != tuple(like.shape):
+        raise ArgumentError(f"{name}: expected shape {tuple(like.shape)}, got "
+                            f"{tuple(a.shape)}")
+    got = _dtype(a, name)
+    if dt is not None and got != dt:
+        raise ArgumentError(f"{name}: expected {dt} (the dtype of the forward's data), got "
+                            f"{got}")
+    return _host.contiguous(a).reshape(m, n)
+
+
+def _stats(s, lead, m, name):
+    s = _host.host(s, name)
+    if tuple(s.shape) not in (tuple(lead), (m,)):
+        raise ArgumentError(f"{name}: expected shape {tuple(lead)} (x's leading shape), got "
+                            f"{tuple(s.shape)}")
+    if _host.dtype_of(s, name) != _dt.F32:
+        raise ArgumentError(f"{name}: expected f32 statistics, got {s.dtype}")
+    return _host.contiguous(s).reshape(m)
+
+
+def _need(need, count):
+    if not isinstance(need, (tuple, list)) or len(need) != count:
+        raise ArgumentError(f"need must be a tuple of {count} bools, got {need!r}")
+    return tuple(bool(v) for v in need)
+
+
+def _np_empty(shape, dtype, like):
+    return np.empty(shape, dtype.numpy)
+
+
+def _run(kind, n, options, arrays, outputs, like, m, seed=None):
+    """Run the nest of (kind, n, options) on the input arrays; outputs: name -> dtype of the
+    results wanted (allocated here: block (m, n), col (m,), partial rows summed to (n,))."""
+    nest = _nest(kind, n, options)
+    written = sum(m * n * dt.itemsize for _, layout, dt in nest.outputs if layout == "block")
+    if written >= STREAM_BYTES:
+        nest = _nest(kind, n, options, True)
+    results, partials = {}, {}
+    empty = _np_empty if type(like) is np.ndarray else _host.empty
+    for name, layout, dt in nest.outputs:
+        if layout == "vector":
+            partials[name] = arrays[name] = empty((nest.partial_rows(m), n), _dt.F32, like)
+        elif layout == "block":
+            results[name] = arrays[name] = empty((m, n), dt, like)
+        elif layout == "mask":
+            results[name] = arrays[name] = empty((m, mask_bytes(n)), _dt.U8, like)
+        else:   # col
+            results[name] = arrays[name] = empty((m,), _dt.F32, like)
+    if m:
+        nest.run(arrays, m, seed)
+    for name, part in partials.items():
+        out = _host.zeros((n,), outputs[name], like) if m == 0 else \
+            _host.empty((n,), outputs[name], like)
+        if m:
+            column_sums(part, out)
+        results[name] = out
+    return results
+
+
+# ---------------------------------------------------------------- layer norm
+def layer_norm(x, weight=None, bias=None, eps=1e-5, **unknown):
+    """torch.nn.functional.layer_norm(x, (n,), weight, bias, eps) over the last axis."""
+    _host.reject_unknown(layer_norm, unknown)
+    return _layer_norm(x, weight, bias, eps, False)[0]
+
+
+def layer_norm_forward(x, weight=None, bias=None, eps=1e-5, **unknown):
+    """(y, mean, rstd): y like x; mean and rstd f32 of x's leading shape."""
+    _host.reject_unknown(layer_norm_forward, unknown)
+    return _layer_norm(x, weight, bias, eps, True)
+
+
+def _layer_norm(x, weight, bias, eps, stats):
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    weight, bias = _vector(weight, n, "weight"), _vector(bias, n, "bias")
+    wdt = _param_dtype(weight, bias, dt)
+    arrays = {"x": x2, "eps": _scalar(_eps(eps))}
+    if weight is not None:
+        arrays["weight"] = weight
+    if bias is not None:
+        arrays["bias"] = bias
+    res = _run("ln_fwd", n, (dt, wdt, weight is not None, bias is not None, stats), arrays,
+               {}, x2, m)
+    y = res["y"].reshape(*lead, n)
+    if not stats:
+        return (y,)
+    return y, res["mean"].reshape(lead), res["rstd"].reshape(lead)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None, *, bias=True, need=(True, True, True),
+                        **unknown):
+    """(dx, dweight, dbias) of layer_norm_forward: dx like x; dweight, dbias (n,) in weight's
+    dtype (None without a weight, without a bias (bias=False: the forward had none) or where
+    need says so)."""
+    _host.reject_unknown(layer_norm_backward, unknown)
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    need = _need(need, 3)
+    weight = _vector(weight, n, "weight")
+    wdt = _param_dtype(weight, None, dt)
+    has_w, has_b = weight is not None, bool(bias)
+    arrays = {"x": x2, "dy": _same_rows(dy, x, m, n, "dy", dt),
+              "mean": _stats(mean, lead, m, "mean"), "rstd": _stats(rstd, lead, m, "rstd"),
+              "eps": _scalar(0.0)}
+    if has_w:
+        arrays["weight"] = weight
+    need = (need[0], need[1] and has_w, need[2] and has_b)
+    if not any(need):
+        return None, None, None
+    if need[1] or need[2]:
+        _grad_cols(n, "layer_norm_backward")
+    res = _run("ln_bwd", n, (dt, wdt, has_w, has_b, need), arrays,
+               {"dweight": wdt, "dbias": wdt}, x2, m)
+    dx = res.get("dx")
+    return (None if dx is None else dx.reshape(*lead, n), res.get("dweight"),
+            res.get("dbias"))
+
+
+# ---------------------------------------------------------------- rms norm
+def rms_norm(x, weight=None, eps=1e-6, **unknown):
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (torch.nn.functional.rms_norm)."""
+    _host.reject_unknown(rms_norm, unknown)
+    return _rms_norm(x, weight, eps, False)[0]
+
+
+def rms_norm_forward(x, weight=None, eps=1e-6, **unknown):
+    """(y, rstd): rstd f32 of x's leading shape."""
+    _host.reject_unknown(rms_norm_forward, unknown)
+    return _rms_norm(x, weight, eps, True)
+
+
+def _rms_norm(x, weight, eps, stats):
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    weight = _vector(weight, n, "weight")
+    wdt = _param_dtype(weight, None, dt)
+    arrays = {"x": x2, "eps": _scalar(_eps(eps))}
+    if weight is not None:
+        arrays["weight"] = weight
+    res = _run("rms_fwd", n, (dt, wdt, weight is not None, stats), arrays, {}, x2, m)
+    y = res["y"].reshape(*lead, n)
+    return (y, res["rstd"].reshape(lead)) if stats else (y,)
+
+
+def rms_norm_backward(dy, x, rstd, weight=None, *, need=(True, True), **unknown):
+    """(dx, dweight) of rms_norm_forward (dweight None without a weight)."""
+    _host.reject_unknown(rms_norm_backward, unknown)
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    need = _need(need, 2)
+    weight = _vector(weight, n, "weight")
+    wdt = _param_dtype(weight, None, dt)
+    arrays = {"x": x2, "dy": _same_rows(dy, x, m, n, "dy", dt),
+              "rstd": _stats(rstd, lead, m, "rstd"), "eps": _scalar(0.0)}
+    if weight is not None:
+        arrays["weight"] = weight
+    need = (need[0], need[1] and weight is not None)
+    if not any(need):
+        return None, None
+    if need[1]:
+        _grad_cols(n, "rms_norm_backward")
+    res = _run("rms_bwd", n, (dt, wdt, weight is not None, need), arrays, {"dweight": wdt},
+               x2, m)
+    dx = res.get("dx")
+    return None if dx is None else dx.reshape(*lead, n), res.get("dweight")
+
+
+# ---------------------------------------------------------------- softmax
+def softmax(x, *, mask=None, scale=None, **unknown):
+    """softmax(x * scale + mask) over the last axis. mask: additive, f32 or x's dtype, of x's
+    2-D view's shape (rows, n), or one row (n,) for every row; any other shape that numpy
+    broadcasting takes to x's shape is expanded to (rows, n) first (a copy)."""
+    _host.reject_unknown(softmax, unknown)
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    arrays = {"x": x2}
+    scaled = scale is not None
+    if scaled:
+        arrays["scale"] = _scalar(_number(scale, "scale"))
+    layout = mdt = None
+    if mask is not None:
+        mask = _host.host(mask, "mask")
+        mdt = _dtype(mask, "mask")
+        mshape = tuple(mask.shape)
+        if mshape == (n,) or (len(mshape) >= 1 and math.prod(mshape) == n and
+                              mshape[-1] == n):
+            layout, mask = "row", _host.contiguous(mask).reshape(n)
+        elif mshape == (m, n) or mshape == tuple(x.shape):
+            layout, mask = "block", _host.contiguous(mask).reshape(m, n)
+        else:
+            layout, mask = "block", _expand(mask, tuple(x.shape), m, n)
+        arrays["mask"] = mask
+    res = _run("sm_fwd", n, (dt, layout, mdt, scaled), arrays, {}, x2, m)
+    return res["y"].reshape(*lead, n)
+
+
+def _expand(mask, shape, m, n):
+    try:
+        np.broadcast_shapes(tuple(mask.shape), shape)
+        ok = np.broadcast_shapes(tuple(mask.shape), shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ArgumentError(f"mask: shape {tuple(mask.shape)} does not broadcast to x's "
+                            f"shape {shape} (or its 2-D view ({m}, {n}))")
+    if _arrays.is_torch(mask):
+        return mask.expand(shape).contiguous().reshape(m, n)
+    return np.ascontiguousarray(np.broadcast_to(mask, shape)).reshape(m, n)
+
+
+def _number(value, name):
+    if isinstance(value, bool):
+        raise ArgumentError(f"{name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ArgumentError(f"{name} must be finite, got {value!r}")
+    return v
+
+
+def softmax_backward(dy, y, scale=None, **unknown):
+    """dx of softmax (from its output y): y * (dy - sum(dy * y)) (times scale)."""
+    _host.reject_unknown(softmax_backward, unknown)
+    y2, lead, dt = _rows(y, "y")
+    m, n = y2.shape
+    arrays = {"y": y2, "dy": _same_rows(dy, y, m, n, "dy", dt)}
+    scaled = scale is not None
+    if scaled:
+        arrays["scale"] = _scalar(_number(scale, "scale"))
+    res = _run("sm_bwd", n, (dt, scaled), arrays, {}, y2, m)
+    return res["dx"].reshape(*lead, n)
+
+
+# ---------------------------------------------------------------- bias + activation + dropout
+def _check_activation(activation):
+    try:
+        ok = activation in ACTIVATIONS
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _probability(p):
+    p = _number(p, "p")
+    if not 0.0 <= p < 1.0:
+        raise ArgumentError(f"p must be in [0, 1), got {p!r}")
+    return p
+
+
+def bias_act_dropout(x, bias=None, activation="gelu", p=0.0, seed=None, **unknown):
+    """(y, keep): y = dropout(act(x + bias), p) like x; keep the (rows, ceil(n/8)) uint8 keep
+    bitmask of x's leading shape + (ceil(n/8),), or None when p == 0. seed: an int (None: a
+    random one from numpy's global stream)."""
+    _host.reject_unknown(bias_act_dropout, unknown)
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    _check_activation(activation)
+    p = _probability(p)
+    bias = _vector(bias, n, "bias")
+    bdt = _param_dtype(None, bias, dt)
+    if seed is None:
+        seed = int(np.random.randint(0, 2 ** 62, dtype=np.int64))
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ArgumentError(f"seed must be an int, got {seed!r}")
+    arrays = {"x": x2}
+    if bias is not None:
+        arrays["bias"] = bias
+    res = _run("bad_fwd", n, (dt, bdt, bias is not None, activation, p), arrays, {}, x2, m,
+               seed=int(seed) & ((1 << 64) - 1))
+    keep = res.get("keep")
+    return (res["y"].reshape(*lead, n),
+            None if keep is None else keep.reshape(*lead, keep.shape[-1]))
+
+
+def bias_act_dropout_backward(dy, x, bias=None, keep=None, activation="gelu", p=0.0, *,
+                              need=(True, True), **unknown):
+    """(dx, dbias) of bias_act_dropout: x and bias the forward's inputs, keep its bitmask."""
+    _host.reject_unknown(bias_act_dropout_backward, unknown)
+    x2, lead, dt = _rows(x, "x")
+    m, n = x2.shape
+    _check_activation(activation)
+    p = _probability(p)
+    need = _need(need, 2)
+    bias = _vector(bias, n, "bias")
+    bdt = _param_dtype(None, bias, dt)
+    arrays = {"x": x2, "dy": _same_rows(dy, x, m, n, "dy", dt)}
+    if bias is not None:
+        arrays["bias"] = bias
+    if p > 0:
+        if keep is None:
+            raise ArgumentError("keep: p > 0 needs the forward's keep bitmask")
+        keep = _host.host(keep, "keep")
+        if tuple(keep.shape) != (*lead, mask_bytes(n)) or str(keep.dtype).split(".")[-1] \
+                != "uint8":
+            raise ArgumentError(f"keep: expected a uint8 bitmask of shape "
+                                f"{(*lead, mask_bytes(n))}, got {keep.dtype} "
+                                f"{tuple(keep.shape)}")
+        arrays["keep"] = _host.contiguous(keep).reshape(m, mask_bytes(n))
+    need = (need[0], need[1] and bias is not None)
+    if not any(need):
+        return None, None
+    if need[1]:
+        _grad_cols(n, "bias_act_dropout_backward")
+    res = _run("bad_bwd", n, (dt, bdt, bias is not None, activation, p, need), arrays,
+               {"dbias": bdt}, x2, m)
+    dx = res.get("dx")
+    return None if dx is None else dx.reshape(*lead, n), res.get("dbias")

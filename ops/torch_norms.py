@@ -1,0 +1,250 @@
+"""PyTorch drop-ins for LayerNorm, RMSNorm and softmax on the TPP operators (ops.norms).
+
+    import ops.torch_norms as tn            # (ops.torch re-exports these names)
+    ln = tn.LayerNorm(768)                  # torch.nn.LayerNorm's constructor, parameters,
+    y = ln(x)                               #   state_dict keys, reset_parameters, repr
+    rms = tn.RMSNorm(768)                   # torch.nn.RMSNorm's
+    y = tn.layer_norm(x, (768,), w, b, 1e-5)
+    y = tn.rms_norm(x, (768,), w)           # eps=None: torch.finfo(x.dtype).eps
+    p = tn.softmax(scores, dim=-1)          # torch.nn.functional.softmax(input, dim, dtype=None)
+
+The modules subclass torch.nn.LayerNorm / torch.nn.RMSNorm and replace only `forward`, so
+constructors, parameters, initialisation, state dicts (both ways) and extra_repr are torch's
+own. Forward and backward run ops.norms' nests (autograd.Function: the forward keeps x and the
+f32 per-row statistics, the backward computes only the gradients autograd asks for); f32 or
+bf16 tensors (bf16 with f32 statistics; weight and bias f32 or bf16).
+
+A normalized_shape of several dimensions is flattened into one (the input's trailing
+dimensions and the weight are reshaped views; autograd sees the reshapes). Softmax over a dim
+that is not the last one transposes it to the last (a copy), runs, and transposes back.
+
+Served by torch's own implementation instead (same results, torch's autograd): tensors not
+on the CPU, dtypes other than float32 / bfloat16 (float64, float16, ...), empty tensors, a
+0-d softmax input, rows wider than ops.norms.MAX_GRAD_COLS (65536) when the weight or bias
+requires grad, and a backward that must itself be differentiable (create_graph=True: the
+gradients are recomputed with torch's operators so that autograd can differentiate them
+again). Shapes that do not match (normalized_shape vs the input's trailing dimensions, a
+weight of another shape) raise tpp.errors.ArgumentError (a ValueError).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpp.errors import ArgumentError
+
+from . import norms as _n
+
+__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "softmax", "LayerNormFunction",
+           "RMSNormFunction", "SoftmaxFunction"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+F = torch.nn.functional
+
+
+def _servable(*tensors) -> bool:
+    """Whether the TPP path takes these tensors (None entries ignored)."""
+    for t in tensors:
+        if t is None:
+            continue
+        if not t.is_cpu or t.dtype not in _DTYPES:
+            return False
+    return True
+
+
+def _plain(t):
+    """A non-view tensor (autograd forbids in-place ops on view outputs of a Function)."""
+    return t.detach() if t._is_view() else t
+
+
+def _normalized(normalized_shape):
+    if isinstance(normalized_shape, (int,)) and not isinstance(normalized_shape, bool):
+        return (int(normalized_shape),)
+    try:
+        return tuple(int(d) for d in normalized_shape)
+    except TypeError:
+        raise ArgumentError(f"normalized_shape must be an int or a sequence of ints, got "
+                            f"{normalized_shape!r}") from None
+
+
+def _check_shapes(x, shape, weight, bias):
+    k = len(shape)
+    if k == 0 or x.dim() < k or tuple(x.shape[x.dim() - k:]) != shape:
+        raise ArgumentError(f"input: expected a shape ending in {list(shape)} "
+                            f"(normalized_shape), got {list(x.shape)}")
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is not None and tuple(t.shape) != shape:
+            raise ArgumentError(f"{name}: expected shape {list(shape)} (normalized_shape), "
+                                f"got {list(t.shape)}")
+
+
+def _flat(x, shape, weight, bias):
+    """x as (..., n) and weight, bias as (n,) for a normalized_shape of several dims."""
+    if len(shape) == 1:
+        return x, weight, bias
+    n = math.prod(shape)
+    lead = x.shape[:x.dim() - len(shape)]
+    return (x.reshape(*lead, n), None if weight is None else weight.reshape(n),
+            None if bias is None else bias.reshape(n))
+
+
+def _too_wide(shape, *params) -> bool:
+    """Whether parameter gradients may be wanted for rows wider than the equations' axis-0
+    reductions take (ops.norms.MAX_GRAD_COLS): then torch serves the call."""
+    return math.prod(shape) > _n.MAX_GRAD_COLS and _wants_grad(*params)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# ---------------------------------------------------------------- layer norm
+class LayerNormFunction(torch.autograd.Function):
+    """y = layer_norm(x, weight, bias, eps) over the last dim; x (..., n), weight/bias (n,) or
+    None: LayerNormFunction.apply(x, weight, bias, eps)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _n.layer_norm_forward(x.detach(), _d(weight), _d(bias), eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.eps = eps
+        return _plain(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():     # create_graph=True: differentiable torch ops
+            return (*_torch_grads(lambda a, w, b: F.layer_norm(a, a.shape[-1:], w, b, ctx.eps),
+                                  (x, weight, bias), need, dy), None)
+        dx, dw, db = _n.layer_norm_backward(dy.contiguous(), x.detach(), mean, rstd,
+                                            _d(weight), bias=bias is not None,
+                                            need=tuple(need))
+        return dx, dw, db, None
+
+
+def _d(t):
+    return None if t is None else t.detach()
+
+
+def _torch_grads(fn, inputs, need, dy):
+    """The gradients of fn(*inputs) (the saved inputs, with their autograd history) for
+    `need`, as torch operations that autograd records (a backward with create_graph=True)."""
+    wanted = [t for t, n in zip(inputs, need) if n and t is not None]
+    with torch.enable_grad():
+        grads = iter(torch.autograd.grad(fn(*inputs), wanted, dy, create_graph=True))
+    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need))
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """torch.nn.functional.layer_norm on TPPs (see the module docstring for the fallbacks)."""
+    shape = _normalized(normalized_shape)
+    if not isinstance(input, torch.Tensor):
+        raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+    if not _servable(input, weight, bias) or input.numel() == 0 or _too_wide(shape, weight,
+                                                                               bias):
+        return F.layer_norm(input, shape, weight, bias, eps)
+    _check_shapes(input, shape, weight, bias)
+    eps = _n._eps(eps)
+    x, w, b = _flat(input, shape, weight, bias)
+    if _wants_grad(x, w, b):
+        y = LayerNormFunction.apply(x, w, b, eps)
+    else:
+        y = _plain(_n.layer_norm(x.detach(), _d(w), _d(b), eps))
+    return y.reshape(input.shape) if len(shape) > 1 else y
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch.nn.LayerNorm whose forward runs on TPPs (ops.torch_norms.layer_norm)."""
+
+    def forward(self, input):
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+# ---------------------------------------------------------------- rms norm
+class RMSNormFunction(torch.autograd.Function):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim: .apply(x, weight, eps)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _n.rms_norm_forward(x.detach(), _d(weight), eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.eps = eps
+        return _plain(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        need = ctx.needs_input_grad[:2]
+        if torch.is_grad_enabled():
+            return (*_torch_grads(lambda a, w: F.rms_norm(a, a.shape[-1:], w, ctx.eps),
+                                  (x, weight), need, dy), None)
+        dx, dw = _n.rms_norm_backward(dy.contiguous(), x.detach(), rstd, _d(weight),
+                                      need=tuple(need))
+        return dx, dw, None
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """torch.nn.functional.rms_norm on TPPs; eps None: torch.finfo(input.dtype).eps."""
+    shape = _normalized(normalized_shape)
+    if not isinstance(input, torch.Tensor):
+        raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+    if not _servable(input, weight) or input.numel() == 0 or _too_wide(shape, weight):
+        return F.rms_norm(input, shape, weight, eps)
+    _check_shapes(input, shape, weight, None)
+    eps = _n._eps(torch.finfo(input.dtype).eps if eps is None else eps)
+    x, w, _ = _flat(input, shape, weight, None)
+    if _wants_grad(x, w):
+        y = RMSNormFunction.apply(x, w, eps)
+    else:
+        y = _plain(_n.rms_norm(x.detach(), _d(w), eps))
+    return y.reshape(input.shape) if len(shape) > 1 else y
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm whose forward runs on TPPs (ops.torch_norms.rms_norm)."""
+
+    def forward(self, x):
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+# ---------------------------------------------------------------- softmax
+class SoftmaxFunction(torch.autograd.Function):
+    """softmax over the last dim: SoftmaxFunction.apply(x); the backward reads the output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _plain(_n.softmax(x.detach()))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        y, = ctx.saved_tensors
+        if torch.is_grad_enabled():     # create_graph: y * (dy - sum(dy * y)) in torch ops
+            return y * (dy - (dy * y).sum(-1, keepdim=True))
+        return _n.softmax_backward(dy.contiguous(), y)
+
+
+def softmax(input, dim=None, _stacklevel=3, dtype=None):
+    """torch.nn.functional.softmax(input, dim, dtype=dtype) on TPPs (its signature; dtype:
+    input is cast to it first; dim=None takes torch's own path, with its implicit-dim rule)."""
+    if not isinstance(input, torch.Tensor):
+        raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+    if dim is None:
+        return F.softmax(input, dim, _stacklevel + 1, dtype=dtype)
+    if dtype is not None:
+        input = input.to(dtype)
+    if not _servable(input) or input.dim() == 0 or input.numel() == 0:
+        return F.softmax(input, dim)
+    nd = input.dim()
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -nd <= dim < nd:
+        raise ArgumentError(f"dim must be an int in [{-nd}, {nd}), got {dim!r}")
+    dim %= nd
+    x = input if dim == nd - 1 else input.transpose(dim, -1)
+    if _wants_grad(x):
+        y = SoftmaxFunction.apply(x.contiguous() if dim != nd - 1 else x)
+    else:
+        y = _plain(_n.softmax(x.detach()))
+    return y if dim == nd - 1 else y.transpose(dim, -1)
