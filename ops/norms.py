@@ -267,23 +267,11 @@ def _softmax_graph(eq, dt, mask, mdt, scaled):
 
 
 def _softmax_forward(rows, n, dt, mask, mdt, scaled):
-    """f32: three equations per block, so that exp runs once per element: the row maxima;
-    e = exp(z - max) stored in the output; the output scaled by 1 / sum(e) in place (the block
-    is in L2). bf16: one equation (its passes recompute exp; e is kept in f32 that way)."""
+    """One equation: the row maxima, then exp(z - max) summed (the equation compiler keeps each
+    exp in a row buffer for the last pass, so exp runs once per element), then the output."""
     eq = tpp.equation(rows, n)
     x, mx, e, s, y = _softmax_graph(eq, dt, mask, mdt, scaled)
-    if dt != _dt.F32:
-        return (eq.spec(y=_lean([y])[0], dtypes={"y": dt}),)
-    first = tpp.equation(rows, n)
-    _softmax_graph(first, dt, mask, mdt, scaled)
-    second = tpp.equation(rows, n)
-    _softmax_graph(second, dt, mask, mdt, scaled)
-    mx_in = second.input("mx", bcast="col")
-    e_only = _saved([e], {mx: mx_in})[0]
-    third = tpp.equation(rows, n)
-    e_in = third.input("e", dtype=dt)
-    return (first.spec(mx=mx), second.spec(y=e_only),
-            third.spec(y=_lean([e_in / third.sum(e_in, 1)])[0]))
+    return (eq.spec(y=_lean([y])[0], dtypes={"y": dt}),)
 
 
 def _softmax_backward(rows, n, dt, scaled):

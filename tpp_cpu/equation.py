@@ -16,7 +16,8 @@ Two schedules:
            a row, the axis-1 reductions of a pass accumulate in registers as in rowwise.
 
 Values that do not vary along a row (per-row or scalar nodes) are computed once per row or once
-per kernel, not per vector. Tail lanes past n enter reductions as the reduction's identity.
+per kernel, not per vector. In the rowwise schedule a transcendental needed by several passes
+is computed once and kept in a row buffer for the later ones (plan_kept). Tail lanes past n enter reductions as the reduction's identity.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .irx import F32, I32, const, i64, vec
 
 _IDENTITY = {"rsum": -0.0, "rmax": -math.inf, "rmin": math.inf}
 UNROLL = 4      # vectors per step of a rowwise reduction loop, each with its own accumulator
+KEPT_ELEMENTS = 1 << 14   # f32 a rowwise kernel may keep on its stack (see _Gen.plan_kept)
 
 
 def _levels(order) -> dict:
@@ -95,6 +97,7 @@ class _Gen:
         self.full, self.tail = divmod(self.n, self.w)
         self.storage = {}
         self.done = set()          # reductions whose stored results are complete (general)
+        self.kept = {}             # node -> (row buffer, the pass computing it) (rowwise)
 
     # ------------------------------------------------------------ leaves
     def leaf_fn(self, row, col, count):
@@ -167,6 +170,46 @@ class _Gen:
         offset = row if r.shape == "col" else i64(0)
         return irx.splat(b, irx.load_scalar(b, p, offset, F32), w)
 
+    # ------------------------------------------------------------ kept intermediates
+    def plan_kept(self):
+        """Rowwise: a transcendental that several passes over a row need (softmax's
+        exp(x - max): the sum's pass and the output's) is computed once, in the first of
+        them, and kept for the others in a row-long stack buffer (in L1), instead of being
+        recomputed. Each pass is a "stage": 1..depth the reduction levels, depth+1 the
+        outputs."""
+        stages = {}
+        for level in range(1, self.depth + 2):
+            if level <= self.depth:
+                targets = [r.args[0] for r in self.reductions if self.level[r] == level]
+            else:
+                targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
+            inside = X.topological(targets, lambda nd: nd.op in X.REDUCTIONS
+                                   or nd.shape != "block")
+            for nd in inside:
+                if nd.op == "prim" and nd.shape == "block":
+                    stages.setdefault(nd, []).append(level)
+        padded = -(-self.n // self.w) * self.w
+        budget = KEPT_ELEMENTS
+        for nd, used in stages.items():
+            if len(used) > 1 and padded <= budget:
+                budget -= padded
+                slots = self.b.alloca(F32, size=padded)
+                self.kept[nd] = (self.b.inttoptr(self.b.ptrtoint(slots, irx.I64), irx.PTR),
+                                 used[0])
+
+    def chunk_render(self, nodes, memo, row, col, count, stage):
+        """render() of one vector in pass `stage`, reading kept values computed by an earlier
+        pass and keeping those this pass computes first."""
+        chunk = dict(memo)
+        for nd, (buf, first) in self.kept.items():
+            if stage is not None and first < stage:
+                chunk[nd] = irx.load_vec(self.b, buf, col, F32, self.w)
+        values = self.render(nodes, chunk, row, col, count)
+        for nd, (buf, first) in self.kept.items():
+            if first == stage and nd in chunk:
+                irx.store_vec(self.b, chunk[nd], buf, col)
+        return values
+
     # ------------------------------------------------------------ passes
     def chunks(self, body):
         """body(col, count) for every vector of a row: a loop over the full ones, the tail."""
@@ -198,7 +241,7 @@ class _Gen:
             stack.extend(a for a in x.args if a not in memo)
         return True
 
-    def rowwise_level(self, row, memo, reds):
+    def rowwise_level(self, row, memo, reds, stage=None):
         """Accumulate this level's reductions over one row (UNROLL accumulators each, one per
         vector of an unrolled step); put their splatted results into memo."""
         b, w, k = self.b, self.w, len(reds)
@@ -211,32 +254,32 @@ class _Gen:
                 new = list(st.values)
                 for u in range(unroll):
                     col = b.add(st.index, i64(u * w)) if u else st.index
-                    values = self.render(args, dict(memo), row, col)
+                    values = self.chunk_render(args, memo, row, col, None, stage)
                     for i, r in enumerate(reds):
                         new[u * k + i] = _combine(b, r.op, new[u * k + i], values[i])
                 st.values = new
             accs = st.values
         for j in range(steps * unroll, self.full):       # leftover full vectors
-            values = self.render(args, dict(memo), row, i64(j * w))
+            values = self.chunk_render(args, memo, row, i64(j * w), None, stage)
             u = j % unroll
             for i, r in enumerate(reds):
                 accs[u * k + i] = _combine(b, r.op, accs[u * k + i], values[i])
         if self.tail:
-            values = self.render(args, dict(memo), row, i64(self.full * w), self.tail)
+            values = self.chunk_render(args, memo, row, i64(self.full * w), self.tail, stage)
             for i, r in enumerate(reds):
                 accs[i] = _combine(b, r.op, accs[i], self.masked(r, values[i], self.tail))
         for i, r in enumerate(reds):
             total = _tree(b, r.op, [accs[u * k + i] for u in range(unroll)])
             memo[r] = _horizontal(b, r.op, total)
 
-    def store_outputs(self, memo, row, col, count, shapes, streaming=False):
+    def store_outputs(self, memo, row, col, count, shapes, streaming=False, stage=None):
         """Render and store the outputs of the given shapes for the vector at (row, col);
         streaming: full vectors of blocks with non-temporal stores (see irx.with_streaming)."""
         b = self.b
         chosen = [(nd, o) for nd, o in self.outputs if nd.shape in shapes]
         if not chosen:
             return
-        values = self.render([nd for nd, _ in chosen], memo, row, col, count)
+        values = self.chunk_render([nd for nd, _ in chosen], memo, row, col, count, stage)
         for (nd, (name, layout, dt, ld)), value in zip(chosen, values):
             p = self.ptr[name]
             o = self.operand[name]
@@ -259,6 +302,8 @@ class _Gen:
                        and self.level[nd] == 0 and nd.op != "const"]
         if entry_nodes:
             self.render(entry_nodes, base, None, None)
+        if self.rowwise:
+            self.plan_kept()
         emit = self.emit_rowwise if self.rowwise else self.emit_general
         blocks = [(self.ptr[name], self.m, ld * dt.itemsize)
                   for name, layout, dt, ld in self.spec.outputs if layout == "block"]
@@ -280,11 +325,12 @@ class _Gen:
             for level in range(1, self.depth + 1):
                 self.row_values(row, memo)
                 reds = [r for r in self.reductions if self.level[r] == level]
-                self.rowwise_level(row, memo, reds)
+                self.rowwise_level(row, memo, reds, level)
             self.row_values(row, memo)
             self.store_outputs(memo, row, i64(0), 1, ("col",))
             self.chunks(lambda col, count: self.store_outputs(dict(memo), row, col, count,
-                                                              ("block",), streaming))
+                                                              ("block",), streaming,
+                                                              self.depth + 1))
 
     def emit_general(self, base, streaming):
         b, w = self.b, self.w
