@@ -8,6 +8,12 @@ Cases, f32, one thread (tpp and torch pinned to 1), shape rows x n:
   softmax fwd, softmax fwd+bwd      ops.softmax(_backward) vs torch.softmax (+ autograd.grad),
                                     on rows of 1024 and of 128 (the same element count)
   copy                 np.copyto of an array of the same size (the yardstick, provider numpy)
+  fused: bias+gelu, bias+gelu+dropout, softmax
+                       one tpp.equation kernel over the whole block (provider tpp) vs the same
+                       chain of separate TPP calls (provider chain: binary add with a row
+                       broadcast, unary gelu, unary dropout; softmax as reduce_max, sub, exp,
+                       reduce_sum, div), both writing preallocated outputs: the fusion's gain
+                       is the traffic of the intermediates it never writes
 Sizes: 4096 x 1024 (softmax also 32768 x 128); --quick (and the default set): 1024 x 1024 and
 8192 x 128; --tiny: 64 x 128. GB/s counts the bytes a call must move once: forward read x +
 write y (2 * rows * n * 4), the backward read x (or y) and dy and write dx (3 * rows * n * 4);
@@ -72,6 +78,9 @@ def run(ctx):
             if shape not in copies:
                 copies[shape] = _copy(ctx, shape, rng)
             _run_case(ctx, case, rng, copies[shape])
+        if ctx.wants("tpp"):
+            for name in FUSED:
+                _run_fused(ctx, name, SIZES[mode][0], rng)
 
 
 def _copy(ctx, shape, rng):
@@ -197,3 +206,79 @@ def _verify(ctx, label, ours, theirs) -> bool | None:
     if not ok:
         ctx.note(f"{label} tpp: WRONG RESULTS vs torch; its bandwidth is not meaningful")
     return ok
+
+
+# ---------------------------------------------------------------- fusion vs separate calls
+FUSED = ("bias+gelu", "bias+gelu+dropout", "softmax")
+_P = 0.1
+
+
+def _fused_kernel(tpp, name, m, n):
+    """The equation of a fused case: (kernel, output names)."""
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    if name == "softmax":
+        e = eq.exp(x - eq.max(x, axis=1))
+        return eq.compile(e / eq.sum(e, axis=1))
+    y = eq.gelu(x + eq.input("b", bcast="row"))
+    if name == "bias+gelu":
+        return eq.compile(y)
+    out, keep = eq.op("dropout", y, p=_P)
+    return eq.compile(out, mask=keep)
+
+
+def _chain(tpp, name, m, n, x, b, y, t, mask, col, col2):
+    """run() of the separate TPP calls of a fused case, into preallocated arrays."""
+    if name == "softmax":
+        rmax, sub = tpp.unary("reduce_max", m, n, axis=1), tpp.binary("sub", m, n, bcast_in1="col")
+        exp, rsum = tpp.unary("exp", m, n), tpp.unary("reduce_sum", m, n, axis=1)
+        div = tpp.binary("div", m, n, bcast_in1="col")
+
+        def run():
+            rmax(x, out=col)
+            sub(x, col, out=t)
+            exp(t, out=t)
+            rsum(t, out=col2)
+            div(t, col2, out=y)
+        return run
+    add, gelu = tpp.binary("add", m, n, bcast_in1="row"), tpp.unary("gelu", m, n)
+    if name == "bias+gelu":
+        def run():
+            add(x, b, out=t)
+            gelu(t, out=y)
+        return run
+    drop = tpp.unary("dropout", m, n, p=_P)
+
+    def run():
+        add(x, b, out=t)
+        gelu(t, out=t)
+        drop(t, out=y, mask=mask, seed=7)
+    return run
+
+
+def _run_fused(ctx, name, shape, rng):
+    import tpp
+    m, n = shape
+    label = f"norm fused {name} {m}x{n}"
+    x = filled(rng.standard_normal(shape, dtype=np.float32))
+    b = filled(rng.standard_normal(n, dtype=np.float32))
+    y, t = empty(shape), empty(shape)
+    mask = np.zeros((m, (n + 7) // 8), np.uint8)
+    col, col2 = np.zeros(m, np.float32), np.zeros(m, np.float32)
+    try:
+        k = _fused_kernel(tpp, name, m, n)
+        args = {"x": x} if name == "softmax" else {"x": x, "b": b}
+        outs = {"out": y} if name != "bias+gelu+dropout" else {"out": y, "mask": mask}
+        seed = {"seed": 7} if name == "bias+gelu+dropout" else {}
+        fused = lambda: k(**args, **outs, **seed)          # noqa: E731
+        chain = _chain(tpp, name, m, n, x, b, y, t, mask, col, col2)
+        fused()
+        chain()
+    except Exception as exc:  # noqa: BLE001
+        ctx.failed(label, exc)
+        return
+    results = timed_group(ctx, label, {"tpp": looped(fused), "chain": looped(chain)})
+    nbytes = 2 * m * n * 4     # what the fused kernel must move: read x, write y
+    for provider, stats in results.items():
+        bandwidth_record(ctx, suite=SUITE, case=f"fused {name}", provider=provider,
+                         shape=shape, stats=stats, nbytes=nbytes, threads=1)
