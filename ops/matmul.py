@@ -40,6 +40,7 @@ import numpy as np
 import tpp
 from tpp import arrays, checks
 from tpp import dtypes as _dt
+from tpp.brgemm_spec import ACTIVATIONS   # the BRGEMM epilogues (the op table's epilogue flag)
 from tpp.errors import ArgumentError
 from tpp.lru import LRU, also_clear
 
@@ -47,7 +48,6 @@ from . import _host
 from .blocked import row_blocks, split
 from .packing import PackedWeight, pack_kn, pack_nk
 
-ACTIVATIONS = (None, "relu", "gelu", "sigmoid", "tanh")
 _SERIAL_FLOPS = 4e6
 _PARALLEL_BYTES = 1 << 20   # a weight this large runs on every thread (see serial)
 _OWN_PLANS = 16             # plans a PackedWeight keeps (start over when full)

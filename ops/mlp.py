@@ -25,14 +25,17 @@ import tpp
 from tpp import dtypes as _dt
 from tpp.errors import ArgumentError
 from tpp.lru import also_clear
+from tpp.optable import UNARY_OPS
 
 from . import _host, blocked
 from .matmul import ACTIVATIONS, linear, matmul, serial
 from .packing import PackedWeight, pack_kn, pack_nk
 
-_BACKWARD = {"relu": "relu_inv", "gelu": "gelu_inv", "sigmoid": "sigmoid_inv",
-             "tanh": "tanh_inv"}
-_SECOND = {"relu": "z", "gelu": "z", "sigmoid": "y", "tanh": "y"}   # what *_inv reads
+# each fusable activation's backward op and what that op reads besides the gradient: "z"
+# (the activation's input) or "y" (its output), from the op table
+_BACKWARD = {act: UNARY_OPS[act].backward for act in ACTIVATIONS if act}
+_SECOND = {act: {"x": "z", "y": "y"}[UNARY_OPS[UNARY_OPS[act].backward].second]
+           for act in ACTIVATIONS if act}
 
 
 @dataclass

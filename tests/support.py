@@ -1,4 +1,12 @@
-"""Shared helpers of the test suite: inputs per op, strided views, the tolerance table."""
+"""Shared helpers of the test suite: inputs per op, strided views, the tolerance table.
+
+Both come from the op table (tpp.optable), the single place an element-wise op is defined:
+inputs are drawn from the op's `domain` with its `specials` mixed in, and the tolerance of an
+element-wise op against tpp.reference is its `tol` plus one f32 ulp (the table bounds the
+kernel's error against the exact math within half an ulp, and the reference is the exact
+value rounded once to f32: another half ulp). TOLERANCE holds every op; `_OVERRIDES` the few
+whose tests need another value, each with its reason.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -7,47 +15,40 @@ import tpp
 
 RNG = np.random.default_rng(1234)
 
-# Input value ranges that exercise each op (defaults: standard normal * 3).
-_RANGES = {
-    "sqrt": ("uniform", 0.0, 100.0),
-    "rsqrt": ("uniform", 1e-3, 100.0),
-    "exp": ("uniform", -20.0, 20.0),
-    "elu": ("uniform", -10.0, 5.0),
-    "tanh_inv": ("uniform", -1.0, 1.0),
-    "sigmoid_inv": ("uniform", 0.0, 1.0),
-    "elu_inv": ("uniform", -1.0, 5.0),
-}
+_ULP = 2.0 ** -23           # one f32 ulp, relative
+_ELEMENTWISE = {info.name: info for info in list(tpp.UNARY_OPS.values()) +
+                list(tpp.BINARY_OPS.values()) if info.expr is not None}
 
-# op -> (rtol, atol) for f32 outputs. Exact IEEE ops are within double rounding (1 ulp);
-# vector transcendentals are within their stated 1e-6 relative bound.
-_ULP = 2.0 ** -23
-TOLERANCE = {
+# op -> (rtol, atol) of f32 outputs against tpp.reference
+_OVERRIDES = {
+    # the ops without a definition: exact (data movement, max / min) unless listed
     "default": (2 * _ULP, 0.0),
-    "rsqrt": (4 * _ULP, 0.0),
-    "exp": (1e-6, 0.0),
-    "tanh": (1e-6, 0.0),
-    "sigmoid": (1e-6, 0.0),
-    "gelu": (1e-6, 1e-30),
-    "elu": (2e-6, 1e-30),
-    "gelu_inv": (3e-6, 1e-7),
-    "tanh_inv": (4 * _ULP, 1e-7),
-    "sigmoid_inv": (4 * _ULP, 1e-8),
-    "elu_inv": (4 * _ULP, 1e-7),
-    "muladd": (2 * _ULP, 1e-6),
-    "reduce_sum": (1e-6, 1e-4),      # summation order differs from numpy's pairwise sum
+    # the kernel sums in a blocked f32 order, the reference in float64 (then rounds once)
+    "reduce_sum": (1e-6, 1e-4),
     "reduce_sumsq": (1e-6, 1e-3),
 }
+TOLERANCE = {**{name: (info.tol[0] + _ULP, info.tol[1]) for name, info in _ELEMENTWISE.items()},
+             **_OVERRIDES}
 # extra relative error of rounding the f32 result to a 16-bit output (double rounding: 1 ulp)
 _OUT_ROUNDING = {"f32": 0.0, "bf16": 2.0 ** -7, "f16": 2.0 ** -10}
 
 
-def values(op: str, shape, dtype) -> np.ndarray:
-    kind = _RANGES.get(op)
-    if kind is None:
+def values(op: str, shape, dtype, *, specials: bool = True, reverse: bool = False) -> np.ndarray:
+    """Test inputs of `op` (a gradient: op="grad"): uniform over the op table's `domain` with
+    the op's `specials` (reversed for a second operand: other pairs) in the first elements of
+    an array big enough to keep most of it ordinary; standard normal * 3 for a gradient and the
+    ops without a definition (reductions, data movement)."""
+    info = _ELEMENTWISE.get(op)
+    if info is None:
         data = RNG.standard_normal(shape) * 3.0
     else:
-        data = RNG.uniform(kind[1], kind[2], shape)
-    return data.astype(np.float32).astype(tpp.dtypes.lookup(dtype).numpy)
+        data = RNG.uniform(*info.domain, shape)
+        flat = data.reshape(-1)
+        extra = np.array(info.specials[::-1] if reverse else info.specials, np.float64)
+        if specials and flat.size >= 4 * extra.size:
+            flat[:extra.size] = extra
+    with np.errstate(over="ignore"):            # 3e38 in a 16-bit dtype: inf
+        return data.astype(np.float32).astype(tpp.dtypes.lookup(dtype).numpy)
 
 
 def strided(arr: np.ndarray, pad: int) -> np.ndarray:
@@ -116,7 +117,7 @@ def make_inputs(spec, pad: int = 0):
         rows = spec.m + 3 if op.rows == -1 else op.rows    # gather's source has spare rows
         shape = {"block": (rows, op.cols), "row": (op.cols,), "col": (op.rows,),
                  "scalar": ()}[op.layout]
-        data = values(value_op, shape, op.dtype.name)
+        data = values(value_op, shape, op.dtype.name, reverse=op.name == "in1")
         if op.layout == "block" and pad:
             data = strided(data, pad)
         arrays.append(data)

@@ -110,6 +110,49 @@ def test_output_tensor_that_requires_grad_is_refused():
         mm(torch.randn(1, 4, 4), torch.randn(1, 4, 4), torch.zeros(4, 4, requires_grad=True))
 
 
+# ---------------------------------------------------------------- ops with no input arrays
+@pytest.mark.parametrize("dtype_out", ["f32", "bf16"])
+def test_zero_without_arrays_allocates_a_host_output(dtype_out):
+    """An op that reads no array (zero) called with nothing: a numpy output, on every path."""
+    k = tpp.unary("zero", 5, 7, dtype_out=dtype_out)
+    for _ in range(3):                       # the first call plans, the later ones reuse it
+        y = k()
+        assert isinstance(y, np.ndarray) and y.shape == (5, 7)
+        assert y.dtype == tpp.dtypes.lookup(dtype_out).numpy
+        assert not y.astype(np.float32).any() and not np.signbit(y.astype(np.float32)).any()
+    assert k() is not y                      # a fresh array per call
+
+
+def test_zero_writes_a_given_output():
+    k = tpp.unary("zero", 4, 6, ldo=9)
+    big = np.full((5, 9), 7.0, np.float32)
+    assert k(out=big[:4, :6]) is not None
+    assert not big[:4, :6].any() and (big[4:] == 7).all() and (big[:4, 6:] == 7).all()
+    y = k()                                  # then without arrays: still a host array
+    assert isinstance(y, np.ndarray) and not y.any()
+
+
+def test_zero_writes_a_torch_output():
+    torch = pytest.importorskip("torch")
+    k = tpp.unary("zero", 4, 6)
+    for _ in range(2):
+        out = torch.full((4, 6), 3.0)
+        assert k(out=out) is out
+        assert not out.any()
+    assert isinstance(k(), np.ndarray)        # no torch input: the allocated output is numpy
+    wide = torch.full((4, 10), 3.0)
+    assert tpp.unary("zero", 4, 6, ldo=10)(out=wide[:, :6]) is not None
+    assert not wide[:, :6].any() and (wide[:, 6:] == 3.0).all()
+
+
+def test_zero_with_unknown_output_or_arrays_is_refused():
+    k = tpp.unary("zero", 2, 3)
+    with pytest.raises(ArgumentError, match="input array"):
+        k(np.zeros((2, 3), np.float32))
+    with pytest.raises(ArgumentError, match="no output named"):
+        k(mask=np.zeros((2, 1), np.uint8))
+
+
 # ---------------------------------------------------------------- loop nests
 def _gemm_nest():
     nest = tpp.LoopNest("a", a=2)

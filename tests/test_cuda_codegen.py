@@ -7,21 +7,21 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import reference
+from tpp import optable, reference
 from tpp.errors import CompileError, SpecError, UnsupportedError
 from tpp.spec import make_binary, make_unary
 from tpp_cuda import eltwise, nvcc
+from tpp_cuda.expr_cuda import float_literal
 
 pytestmark = pytest.mark.skipif(not nvcc.available(), reason="nvcc is not on PATH")
 
 M, N, LD = 7, 13, 16
-UNSUPPORTED_UNARY = {"dropout", "dropout_inv"}
 
 
 def _unary_specs():
     specs = []
     for name, info in tpp.UNARY_OPS.items():
-        if info.kind not in ("map", "map_inv") or name in UNSUPPORTED_UNARY:
+        if info.kind not in ("map", "map_inv"):
             continue
         specs.append(make_unary(name, M, N, ldi=LD, ldo=LD + 3))
         for din, dout in (("bf16", "bf16"), ("f16", "f16"), ("bf16", "f32"), ("f32", "f16"),
@@ -36,7 +36,9 @@ def _unary_specs():
               make_unary("gelu_inv", M, N, approximate="tanh"),
               make_unary("leaky_relu", M, N, alpha=0.2),
               make_unary("leaky_relu_inv", M, N, alpha=float("inf")),
-              make_unary("elu", M, N, alpha=0.5), make_unary("elu_inv", M, N, alpha=1e-5)]
+              make_unary("elu", M, N, alpha=0.5), make_unary("elu_inv", M, N, alpha=1e-5),
+              make_unary("dropout", M, N, p=0.0), make_unary("dropout", 1, 1, p=0.9999),
+              make_unary("dropout_inv", M, N, p=0.1, ldi=LD, ldo=LD + 1)]
     specs += [make_unary("exp", M, N, bcast=b, dtype_in="bf16", dtype_out="f32")
               for b in ("row", "col", "scalar")]
     return specs
@@ -84,7 +86,7 @@ def test_every_elementwise_op_is_covered():
     ops = {s.op for s in SPECS}
     for table in (tpp.UNARY_OPS, tpp.BINARY_OPS):
         for name, info in table.items():
-            if info.kind in ("map", "map_inv", "compare") and name not in UNSUPPORTED_UNARY:
+            if info.kind in ("map", "map_inv", "compare"):
                 assert name in ops
 
 
@@ -105,8 +107,7 @@ def test_kernel_names_unique_and_stable(sources):
     make_unary("reduce_sum", 4, 4), make_unary("reduce_max", 4, 4, axis=0),
     make_unary("transpose", 4, 4), make_unary("vnni2", 4, 4, dtype_in="bf16"),
     make_unary("vnni2_inv", 4, 4, dtype_in="bf16"), make_unary("gather_rows", 4, 4),
-    make_unary("scatter_rows", 4, 4), make_unary("dropout", 4, 4),
-    make_unary("dropout_inv", 4, 4), tpp.make_brgemm(4, 4, 4)], ids=lambda s: s.op
+    make_unary("scatter_rows", 4, 4), tpp.make_brgemm(4, 4, 4)], ids=lambda s: s.op
     if hasattr(s, "op") else "brgemm")
 def test_unsupported_kinds_raise(spec):
     with pytest.raises(UnsupportedError, match="not yet in the CUDA backend"):
@@ -129,6 +130,31 @@ def test_source_has_ld_constants_and_operand_order():
         assert sig.group(1) == eltwise.kernel_name(spec)
         names = [a.split()[-1] for a in sig.group(2).split(",")]
         assert names == [o.name for o in spec.operands()]
+
+
+def test_seed_argument_follows_the_pointers():
+    """dropout takes `long long seed` after its pointers (the CPU ABI); nothing else does."""
+    for spec in SPECS:
+        sig = re.search(r'extern "C" __global__ void \w+\(([^)]*)\)',
+                        eltwise.source(spec)).group(1)
+        names = [a.split()[-1] for a in sig.split(",")]
+        assert names == [o.name for o in spec.operands()] + list(spec.scalars), spec.key()
+        assert (spec.op == "dropout") == (spec.scalars == ("seed",))
+        if spec.scalars:
+            assert sig.endswith("long long seed")
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 1 / 3, 0.5, 0.9999])
+def test_dropout_constants_come_from_the_table(p):
+    """The keep threshold and the scale of the definition (optable.dropout_threshold /
+    dropout_scale) reach the source; dropout writes its mask 8 columns per thread."""
+    src = eltwise.source(make_unary("dropout", 3, 13, p=p))
+    assert f">= 0x{optable.dropout_threshold(p):08x}u;" in src
+    literal = float_literal(float(optable.dropout_scale(p)))
+    assert f"__fmul_rn(x, {literal})" in src
+    assert f"__fmul_rn(g, {literal})" in eltwise.source(make_unary("dropout_inv", 3, 13, p=p))
+    assert "CHUNKS = 2" in src and "mask[i * 2 + jc] = (unsigned char)bits;" in src
+    assert "seed >> 32" in src and "(unsigned int)(i * N + j)" in src
 
 
 def test_params_reach_the_source():

@@ -9,7 +9,9 @@ taller than the block, filled with a sentinel that must survive; padding inside 
 is NaN, so reading it shows. Ops whose formula is correctly rounded compare bit-exactly, the
 others within the op table's tolerance (plus one ulp of a 16-bit output dtype). Every
 element-wise map / map_inv op also runs on f32 data with special values through both the
-emulated CUDA kernel and the CPU kernel: the results must be the same bits (NaN payloads aside). A few kernels also run
+emulated CUDA kernel and the CPU kernel: the results must be the same bits (NaN payloads aside;
+dropout: the same output and mask for the same seed). Dropout draws from the seed of each call
+(the reference's stream for several seeds, high words included). A few kernels also run
 with a grid smaller than the problem (the grid-stride loops must cover it), a bigger block,
 and in the emulator's threaded mode. All kernels build as one emulated module.
 """
@@ -29,8 +31,7 @@ import cuda_emulator
 pytestmark = pytest.mark.skipif(not cuda_emulator.available(),
                                 reason="g++ or the CUDA headers are missing")
 
-UNARY = [op for op, info in tpp.UNARY_OPS.items()
-         if info.kind in ("map", "map_inv") and op not in ("dropout", "dropout_inv")]
+UNARY = [op for op, info in tpp.UNARY_OPS.items() if info.kind in ("map", "map_inv")]
 BINARY = list(tpp.BINARY_OPS)
 MIXED = [("bf16", "bf16"), ("f16", "f16"), ("bf16", "f32"), ("f32", "f16"), ("f16", "bf16")]
 
@@ -65,7 +66,10 @@ def _unary_specs():
               make_unary("leaky_relu_inv", 7, 1, alpha=3.0),
               make_unary("leaky_relu_inv", 3, 5, alpha=float("inf")),
               make_unary("elu", 3, 17, alpha=0.5), make_unary("elu_inv", 3, 17, alpha=1e-5),
-              make_unary("exp", 1, 1), make_unary("tanh", 1, 64, dtype_out="bf16")]
+              make_unary("exp", 1, 1), make_unary("tanh", 1, 64, dtype_out="bf16"),
+              make_unary("dropout", 7, 45, p=0.9, ldi=47, ldo=46),
+              make_unary("dropout", 1, 1, p=0.0, dtype_in="bf16", dtype_out="f16"),
+              make_unary("dropout_inv", 2, 17, p=0.3, ldi=20, ldo=19)]
     return specs
 
 
@@ -101,16 +105,19 @@ SPECIAL_SPECS += [make_binary(op, 4, 23) for op in ("max", "min", "add", "div", 
 # every element-wise op with each of its parameter variants, f32, for the CPU-vs-CUDA bits
 VARIANTS = {"relu": [{"bitmask": True}], "relu_inv": [{"bitmask": True}],
             "gelu": [{"approximate": "tanh"}], "gelu_inv": [{"approximate": "tanh"}],
-            "leaky_relu": [{"alpha": 0.2}], "elu": [{"alpha": 0.5}]}
+            "leaky_relu": [{"alpha": 0.2}], "elu": [{"alpha": 0.5}],
+            "dropout": [{"p": 0.0}, {"p": 0.1}, {"p": 0.9999}], "dropout_inv": [{"p": 0.25}]}
 SAME_BITS = [make_unary(op, 7, 300, **p) for op in UNARY for p in [{}] + VARIANTS.get(op, [])]
 SAME_BITS += [make_binary(op, 7, 300) for op in BINARY]
 BIG = make_binary("add", 70, 300, ldi0=301, ldo=303)
 BIG_MASK = make_unary("relu", 33, 150, bitmask=True)
+BIG_DROPOUT = make_unary("dropout", 20, 300, p=0.3)
+SEEDS = (0, 12345, 2 ** 63 + 5, 2 ** 64 - 3)       # unsigned 64-bit values, high words too
 
 
 @pytest.fixture(scope="module")
 def module():
-    every = SPECS + SPECIAL_SPECS + SAME_BITS + [BIG, BIG_MASK]
+    every = SPECS + SPECIAL_SPECS + SAME_BITS + [BIG, BIG_MASK, BIG_DROPOUT]
     return cuda_emulator.EmulatedModule({eltwise.kernel_name(s): eltwise.source(s) for s in every})
 
 
@@ -194,16 +201,19 @@ def _check(spec, operand, got, want):
 
 
 # ---------------------------------------------------------------- running
-def run_case(module, spec, *, launch=None, specials=False, threaded=None):
-    """Run the spec's kernel on fresh inputs; check the outputs and the untouched margins."""
+def run_case(module, spec, *, launch=None, specials=False, threaded=None, seed=7):
+    """Run the spec's kernel on fresh inputs (dropout: with `seed`); check the outputs and the
+    untouched margins."""
     rng = np.random.default_rng(zlib.crc32(f"{spec.key()}{specials}".encode()))
     operands = spec.operands()
     buffers = [_operand_buffer(o, rng, specials) for o in operands]
     inputs = [view.copy() for o, (_, view) in zip(operands, buffers) if o.role != "out"]
+    seed = seed if spec.scalars else None
     module.launch(eltwise.kernel_name(spec), launch or eltwise.launch(spec),
-                  [buf for buf, _ in buffers], threaded=threaded)
+                  [buf for buf, _ in buffers] + ([seed] if spec.scalars else []),
+                  threaded=threaded)
     with np.errstate(all="ignore"):                  # inf * 0 in the reference's gelu'
-        want = reference.run(spec, *inputs)
+        want = reference.run(spec, *inputs, seed=seed)
     want = want if isinstance(want, tuple) else (want,)
     outputs = [(o, b) for o, b in zip(operands, buffers) if o.role != "in"]
     assert len(outputs) == len(want)
@@ -231,9 +241,15 @@ def test_special_values(module, spec):
 @pytest.mark.parametrize("geometry", [
     Launch((1, 1, 1), (32, 1, 1)), Launch((2, 3, 1), (32, 2, 1)), Launch((3, 1, 1), (64, 4, 1)),
     Launch((1, 1, 1), (1024, 1, 1)), Launch((1, 2, 1), (8, 128, 1))], ids=str)
-@pytest.mark.parametrize("spec", [BIG, BIG_MASK], ids=_id)
+@pytest.mark.parametrize("spec", [BIG, BIG_MASK, BIG_DROPOUT], ids=_id)
 def test_any_grid_covers_the_problem(module, spec, geometry):
     run_case(module, spec, launch=geometry)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.op == "dropout"] + [BIG_DROPOUT], ids=_id)
+def test_dropout_draws_the_reference_stream(module, spec, seed):
+    run_case(module, spec, seed=seed)
 
 
 def test_threaded_mode_agrees(module):
@@ -272,15 +288,16 @@ def test_cuda_computes_the_cpu_bits(module, spec):
     args, k_in, k_out = [], iter(buffers), iter(outs)
     for o in spec.operands():
         args.append(next(k_out) if o.role == "out" else next(k_in))
-    module.launch(eltwise.kernel_name(spec), eltwise.launch(spec), args)
+    seed = {"seed": 0xFEDCBA9876543210} if spec.scalars else {}    # dropout: both take it
+    module.launch(eltwise.kernel_name(spec), eltwise.launch(spec), args + list(seed.values()))
     kernel = tpp.unary(spec.op, spec.m, spec.n, **dict(spec.params)) \
         if spec.family == "unary" else tpp.binary(spec.op, spec.m, spec.n)
     cpu_in = [x.copy() for x in inputs]
-    if _info(spec.op).reads_out or not cpu_in:
-        out = cpu_in.pop() if cpu_in else np.zeros((spec.m, spec.n), np.float32)
+    if _info(spec.op).reads_out:
+        out = cpu_in.pop()
         cpu = (kernel(*cpu_in, out=out),)
     else:
-        cpu = kernel(*cpu_in)
+        cpu = kernel(*cpu_in, **seed)
         cpu = cpu if isinstance(cpu, tuple) else (cpu,)
     cuda = [a for o, a in zip(spec.operands(), args) if o.role != "in"]
     assert len(cpu) == len(cuda)

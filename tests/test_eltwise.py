@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import support
 import tpp
 from support import RNG, run_checked
 
@@ -28,12 +27,6 @@ def _cases(kind):
 UNARY_MAP = _cases("map")
 UNARY_INV = _cases("map_inv")
 BINARY = [name for name, info in tpp.BINARY_OPS.items() if info.expr is not None]
-
-# ops the shared tolerance table does not know yet are checked within the op table's
-# tolerance against the exact math (plus the reference's own rounding)
-for _name, _info in list(tpp.UNARY_OPS.items()) + list(tpp.BINARY_OPS.items()):
-    if _info.tol != (0.0, 0.0):
-        support.TOLERANCE.setdefault(_name, (_info.tol[0] + 2.0 ** -24, _info.tol[1]))
 
 
 def test_every_elementwise_op_of_the_table_is_tested():

@@ -120,8 +120,11 @@ def common_device(named_arrays):
 
 
 def shared_device(layouts, named_arrays):
-    """The one device of `layouts` (None: the host); where they differ, common_device's error
-    naming the (name, array) pairs."""
+    """The one device of `layouts` (None: the host, also when there are none: a call of an op
+    with no input arrays and no outputs given allocates them on the host); where they differ,
+    common_device's error naming the (name, array) pairs."""
+    if not layouts:
+        return None
     device = layouts[0].device
     for lay in layouts:
         if lay.device != device:

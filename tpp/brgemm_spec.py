@@ -11,8 +11,9 @@ and C (m, n); the *stored* shape of each block depends on the flags:
 
 lda, ldb and ldc are the row strides of the stored blocks, in elements (>= the stored row).
 bias is one row of n values (dtype_c) added to every row; activation is applied last, on the
-f32 tile, then the tile is rounded (to nearest even) to dtype_c. relu with bitmask=True also
-writes an (m, ceil(n/8)) uint8 bitmask of `x > 0`, in the unary bitmask layout.
+f32 tile, then the tile is rounded (to nearest even) to dtype_c. bitmask=True also writes the
+activation's bitmask (relu's `x > 0`; MASKED_ACTIVATIONS: the epilogues whose table definition
+writes one), an (m, ceil(n/8)) uint8 block in the unary bitmask layout.
 
 Batch modes (the count is a run-time argument, never part of the spec):
   stride   A_i = A + i*stride_a, B_i = B + i*stride_b (element strides, given at call time)
@@ -36,6 +37,9 @@ from .spec import Operand, _size, _SpecBase, mask_bytes
 
 BATCH_MODES = ("stride", "offset", "address")
 ACTIVATIONS = (None, *optable.EPILOGUES)   # the ops the table marks as epilogues
+# the epilogues that can record a bitmask: their mask_param makes the definition write one
+MASKED_ACTIVATIONS = tuple(name for name in optable.EPILOGUES
+                           if optable.lookup("unary", name).mask_param is not None)
 
 
 @dataclass(frozen=True)
@@ -129,8 +133,9 @@ def make_brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b
     bias = bias or None
     if activation not in ACTIVATIONS:
         raise SpecError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if bitmask and activation != "relu":
-        raise SpecError(f"bitmask=True records relu's mask; activation is {activation!r}")
+    if bitmask and activation not in MASKED_ACTIVATIONS:
+        raise SpecError(f"bitmask=True records the activation's mask, which only "
+                        f"{', '.join(MASKED_ACTIVATIONS)} writes; activation is {activation!r}")
     a_cols = m if trans_a else k
     b_cols = 2 * n if vnni_b else (k if trans_b else n)
     lda = _ld(lda, a_cols, "lda", "A")

@@ -1,15 +1,20 @@
 """CUDA C source for the element-wise TPPs: unary map / map_inv and binary map / compare.
 
 One `extern "C" __global__` kernel per spec. Its arguments are one pointer per operand of
-`spec.operands()`, in order (the CPU ABI's order). The sizes and leading dimensions are baked in
-as constants; a 2-D grid-stride loop runs over rows (y) and column chunks (x). Inputs are loaded
+`spec.operands()`, in order, then `long long seed` when the definition draws random bits
+(dropout): the CPU ABI's order. The sizes and leading dimensions are baked in as constants; a
+2-D grid-stride loop runs over rows (y) and column chunks (x). Inputs are loaded
 and widened to float, the op's definition (`tpp.optable`) is computed in float, rendered node by
 node by `tpp_cuda.expr_cuda` (so the results are the CPU backend's bits), and the result is
-rounded to the output dtype with round-to-nearest-even. A bitmask input reads as a bool.
+rounded to the output dtype with round-to-nearest-even. A bitmask input reads as a bool. The
+definition's other leaves are C expressions: X.index("flat") is the element's flat index
+(unsigned int)(i * n + j) (n the logical row length, not the leading dimension), X.seed(0 / 1)
+the low / high word of the seed, so dropout draws the CPU kernel's stream
+(`optable.dropout_draw`).
 
-A spec writing a bitmask (relu with bitmask=True, the compare ops) gives each thread a chunk jc of
-8 columns, so one thread owns each mask byte: bit j%8 of byte j//8 of row i is element (i, j), the
-byte rows are ceil(n/8) bytes apart, the unused high bits of a last partial byte are 0.
+A spec writing a bitmask (relu with bitmask=True, dropout, the compare ops) gives each thread a
+chunk jc of 8 columns, so one thread owns each mask byte: bit j%8 of byte j//8 of row i is element
+(i, j), the byte rows are ceil(n/8) bytes apart, the unused high bits of a last partial byte are 0.
 """
 from __future__ import annotations
 
@@ -20,7 +25,6 @@ from tpp.errors import UnsupportedError
 from tpp.spec import mask_bytes
 
 from . import expr_cuda
-from .expr_cuda import float_literal as _float_literal  # noqa: F401  (tpp_cuda.transform)
 from .launch import Launch, grid_stride_2d
 
 # C element type, load (to float) and store (from float) per dtype
@@ -41,14 +45,11 @@ static __device__ __forceinline__ float tpp_min(float a, float b) {
 #endif
 """ + expr_cuda.PREAMBLE
 
-# ops whose kernels tpp_cuda.transform builds (with its own port of the dropout RNG)
-_ELSEWHERE = ("dropout", "dropout_inv")
-
 
 def _check(spec):
     if spec.family not in ("unary", "binary"):
         raise UnsupportedError(f"{spec.family} specs are not yet in the CUDA backend")
-    if spec.kind not in ("map", "map_inv", "compare") or spec.op in _ELSEWHERE:
+    if spec.kind not in ("map", "map_inv", "compare"):
         raise UnsupportedError(f"{spec.family} op {spec.op!r} (kind {spec.kind}) is not yet "
                                f"in the CUDA backend")
 
@@ -87,13 +88,23 @@ def _variables(spec) -> dict:
     return {"in": "x"}
 
 
+# the C expressions of the leaves other than the inputs: the flat element index (i, j and N
+# are the kernel's locals), the low / high word of the `long long seed` argument
+_LEAVES = {("index", "flat"): "(unsigned int)(i * N + j)",
+           ("seed", 0): "(unsigned int)((unsigned long long)seed)",
+           ("seed", 1): "(unsigned int)((unsigned long long)seed >> 32)"}
+
+
 def body(definition, variables: dict, prefix: str = "e") -> tuple:
     """(lines, values): the C statements of an element-wise definition (`tpp.optable`) whose
     inputs are loaded into `variables` (operand name -> C variable), and the C expressions of
-    its outputs."""
+    its outputs. The flat index and the seed words (dropout) read the locals i, j, N and the
+    argument seed of `source`'s kernel."""
     def leaf(nd):
         if nd.op in ("input", "maskbit"):
             return variables[nd.attr[0]]
+        if (nd.op, nd.attr[0]) in _LEAVES:
+            return _LEAVES[nd.op, nd.attr[0]]
         raise ValueError(f"an element-wise CUDA kernel has no value for {nd!r}")
     return expr_cuda.render(definition.outputs, leaf, prefix)
 
@@ -121,6 +132,7 @@ def source(spec) -> str:
             else:
                 loads.append(f"const float {var[o.name]} = "
                              + _LOAD[o.dtype.name].format(f"{o.name}[{off}]") + ";")
+    args += [f"long long {name}" for name in spec.scalars]       # dropout's seed
     lines, values = body(definition, var)
     outs = [o for o in ops if o.role in ("out", "inout")]
     for o, value in zip(outs, values):
@@ -161,7 +173,8 @@ def launch(spec) -> Launch:
 
 
 def _chunk_width(spec) -> int:
-    """Columns per thread: 8 (one mask byte) when the spec writes a bitmask, else 1."""
+    """Columns per thread: 8 (one mask byte) when the spec writes a bitmask (relu's, dropout's,
+    a compare's), else 1."""
     return 8 if any(o.layout == "mask" and o.role == "out" for o in spec.operands()) else 1
 
 

@@ -1,13 +1,14 @@
-"""CUDA C source for the unary TPPs that are not element-wise maps: reductions, data movement
-(transpose, vnni2, vnni2_inv, gather_rows, scatter_rows) and dropout / dropout_inv.
+"""CUDA C source for the unary TPPs that are not element-wise maps: reductions and data movement
+(transpose, vnni2, vnni2_inv, gather_rows, scatter_rows). Dropout / dropout_inv are element-wise
+maps: `tpp_cuda.eltwise` renders their op-table definitions (the RNG included).
 
 The contract is eltwise's: one `extern "C" __global__` kernel per spec, one pointer argument per
 operand of `spec.operands()` in order (eltwise's C element types; an index operand is
-`const long long*`), then one `long long` per name in `spec.scalars` (dropout's seed). Sizes and
-leading dimensions are baked in as constants. `launch(spec)` gives the geometry; every kernel
-loops over whatever its grid does not cover, so it is correct for any grid, but kernels that
-use shared memory or warp shuffles fix their block shape: the source names it as the constants
-BX, BY, the launch uses exactly that block, and the kernel asserts `blockDim == (BX, BY, 1)`.
+`const long long*`). Sizes and leading dimensions are baked in as constants. `launch(spec)` gives
+the geometry; every kernel loops over whatever its grid does not cover, so it is correct for any
+grid, but kernels that use shared memory or warp shuffles fix their block shape: the source names
+it as the constants BX, BY, the launch uses exactly that block, and the kernel asserts
+`blockDim == (BX, BY, 1)`.
 
 reduce_*     Values are widened to f32 and accumulated in f32 in a fixed order (no atomics, so
              the result is deterministic and independent of the grid). max / min / absmax
@@ -31,27 +32,17 @@ gather_rows  out[i] = in[idx[i]]; scatter_rows: out[idx[i]] = in[i]. BY rows per
              checks cooperatively whether a later entry holds the same index (O(m) index reads
              per row, no atomics, deterministic). Indices are not bounds-checked here (the
              caller validates them, as for the CPU backend).
-dropout      The counter-based RNG of `tpp.reference.dropout_bits`, ported: element (i, j) draws
-             fmix32(fmix32((i*n + j) * 0x9E3779B9 ^ lo) ^ hi) in 32-bit wrap-around arithmetic,
-             lo / hi the low and high words of the 64-bit seed, and is kept when the draw is
-             >= reference.dropout_threshold(p); kept values are multiplied by
-             reference.dropout_scale(p) in f32, dropped ones are +0. A thread owns 8 columns, so
-             it writes (dropout) or reads (dropout_inv) one whole mask byte. The hash functions
-             are __host__ __device__, so a host program can check the port against numpy.
 """
 from __future__ import annotations
 
 import hashlib
 
-from tpp import reference
 from tpp.errors import UnsupportedError
-from tpp.spec import mask_bytes
 
-from .eltwise import _CTYPE, _LOAD, _PREAMBLE, _STORE, _float_literal
+from .eltwise import _CTYPE, _LOAD, _PREAMBLE, _STORE
 from .launch import Launch, grid_stride_2d
 
 _MOVE_KINDS = ("transpose", "vnni2", "vnni2_inv", "gather", "scatter")
-_DROPOUT_OPS = ("dropout", "dropout_inv")
 _MAX_BLOCKS = 4096          # the kernels loop over whatever a grid this size does not cover
 _TILE = 32                  # transpose tile edge
 _TILE_ROWS = 8              # transpose: threadIdx.y rows per step (block 32 x 8)
@@ -68,31 +59,18 @@ _REDUCE = {
     "reduce_absmax": ("0.0f", "tpp_max(acc, fabsf(x))", "tpp_max(a, b)"),
 }
 
-_TRANSFORM_PREAMBLE = r"""#include <assert.h>
-#ifndef TPP_CUDA_TRANSFORM_PREAMBLE
-#define TPP_CUDA_TRANSFORM_PREAMBLE
-static __host__ __device__ __forceinline__ unsigned int tpp_fmix32(unsigned int h) {
-  h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; return h ^ (h >> 16);
-}
-/* reference.dropout_bits: the draw of flat element index k (i*n + j, wrapped to 32 bits) */
-static __host__ __device__ __forceinline__ unsigned int tpp_dropout_draw(
-    unsigned long long seed, unsigned int k) {
-  const unsigned int lo = (unsigned int)seed, hi = (unsigned int)(seed >> 32);
-  return tpp_fmix32(tpp_fmix32((k * 0x9E3779B9u) ^ lo) ^ hi);
-}
-#endif
-"""
+_TRANSFORM_PREAMBLE = "#include <assert.h>\n"
 
 
 # ---------------------------------------------------------------- the contract
 def _check(spec):
     if spec.family != "unary":
         raise UnsupportedError(f"{spec.family} specs are not a transform (tpp_cuda.transform "
-                               f"builds reductions, data movement and dropout)")
-    if spec.kind not in ("reduce", *_MOVE_KINDS) and spec.op not in _DROPOUT_OPS:
+                               f"builds reductions and data movement)")
+    if spec.kind not in ("reduce", *_MOVE_KINDS):
         raise UnsupportedError(f"unary op {spec.op!r} (kind {spec.kind}) is not a transform; "
                                f"tpp_cuda.transform builds reduce_*, transpose, vnni2, vnni2_inv, "
-                               f"gather_rows, scatter_rows, dropout and dropout_inv")
+                               f"gather_rows and scatter_rows")
 
 
 def supported(spec) -> bool:
@@ -130,8 +108,6 @@ def launch(spec) -> Launch:
 
 def _generator(spec):
     """(body generator, launch generator) of the spec's kind."""
-    if spec.op in _DROPOUT_OPS:
-        return _dropout_body, _dropout_launch
     return {"reduce": (_reduce_body, _reduce_launch),
             "transpose": (_transpose_body, _transpose_launch),
             "vnni2": (_vnni_body, _vnni_launch),
@@ -145,7 +121,6 @@ def _parameters(spec) -> str:
     for o in spec.operands():
         const = "const " if o.role == "in" else ""
         args.append(f"{const}{_CTYPES[o.dtype.name]}* __restrict__ {o.name}")
-    args += [f"long long {name}" for name in spec.scalars]
     return ", ".join(args)
 
 
@@ -373,46 +348,3 @@ def _by_index_body(spec) -> str:
 def _by_index_launch(spec) -> Launch:
     bx, by = _by_index_block(spec)
     return Launch(_grid(_cdiv(spec.m, by)), (bx, by, 1))
-
-
-# ---------------------------------------------------------------- dropout / dropout_inv
-def _dropout_body(spec) -> str:
-    p = spec.param("p")
-    threshold = reference.dropout_threshold(p)
-    scale = _float_literal(reference.dropout_scale(p))
-    load_in = _LOAD[spec.dtype_in.name].format(f"{'in' if spec.op == 'dropout' else 'grad'}"
-                                               f"[i * LDI + j]")
-    store = _STORE[spec.dtype_out.name].format("keep ? x * SCALE : 0.0f")
-    if spec.op == "dropout":
-        keep = "(tpp_dropout_draw(SEED, (unsigned int)(i * N + j)) >= THRESHOLD)"
-        head = "      unsigned int bits = 0u;\n"
-        tail = "      mask[i * MB + jc] = (unsigned char)bits;\n"
-        record = "        bits |= (keep ? 1u : 0u) << jj;\n"
-        consts = (f"  const unsigned long long SEED = (unsigned long long)seed;\n"
-                  f"  const unsigned int THRESHOLD = {threshold}u;   "
-                  f"/* reference.dropout_threshold({p!r}) */\n")
-    else:
-        keep = "((byte >> jj) & 1u)"
-        head, tail, record = "      const unsigned int byte = mask[i * MB + jc];\n", "", ""
-        consts = ""
-    return consts + f"""\
-  const float SCALE = {scale};   /* reference.dropout_scale({p!r}) */
-  const long long M = {spec.m}, N = {spec.n}, MB = {mask_bytes(spec.n)};
-  const long long LDI = {spec.ldi}, LDO = {spec.ldo};
-  for (long long i = (long long)blockIdx.y * blockDim.y + threadIdx.y; i < M;
-       i += (long long)gridDim.y * blockDim.y) {{
-    for (long long jc = (long long)blockIdx.x * blockDim.x + threadIdx.x; jc < MB;
-         jc += (long long)gridDim.x * blockDim.x) {{   /* 8 columns: one mask byte */
-{head}      for (int jj = 0; jj < 8 && jc * 8 + jj < N; ++jj) {{
-        const long long j = jc * 8 + jj;
-        const bool keep = {keep};
-        const float x = {load_in};
-        out[i * LDO + j] = {store};
-{record}      }}
-{tail}    }}
-  }}
-"""
-
-
-def _dropout_launch(spec) -> Launch:
-    return grid_stride_2d(spec.m, mask_bytes(spec.n))
