@@ -1,0 +1,512 @@
+"""Fused (flash-style) scaled dot-product attention from BRGEMMs and equations in loop nests.
+
+    out = ops.attention(q, k, v, mask=None, causal=False, scale=None, dropout_p=0.0, seed=None)
+    out, lse = ops.attention_forward(q, k, v, ...)               # lse: f32 (B, H, Sq)
+    dq, dk, dv = ops.attention_backward(dout, q, k, v, out, lse, ..., need=(True, True, True))
+
+Contract (torch.nn.functional.scaled_dot_product_attention's semantics):
+  q (B, H, Sq, D); k and v (B, Hk, Sk, D) with H % Hk == 0 (grouped-query attention: query head
+  h uses kv head h // (H // Hk); dk and dv have k's shape, summed over each group). numpy arrays
+  or CPU torch tensors (torch in, torch out), all f32 or all bf16 (bf16 in and out; the
+  softmax, its statistics and every accumulation in f32; lse is f32). Non-contiguous inputs
+  are copied first.
+  scale: default 1 / sqrt(D). mask: boolean (True: the key takes part) or additive float
+  (f32 or q's dtype), broadcastable to (B, H, Sq, Sk). causal: key j is visible to query i iff
+  j <= i (top-left aligned, torch's is_causal); combined with a mask when both are given.
+  A query that sees no key (every key masked) gets an output row of 0, lse -inf and zero
+  gradients, as torch's CPU kernel gives.
+  dropout_p: dropout on the probabilities (the normaliser uses the undropped ones, like
+  torch), drawn from an integer seed (None: a random one): the same seed gives the same keep
+  bits, and attention_backward regenerates them from the same seed (it must be given), so
+  forward and backward agree. The bits are the operator's own (a function of the seed, the
+  head's index b * H + h and the element), not torch's.
+  Bad input raises tpp.errors.ArgumentError: shapes that do not match, a head dim mismatch,
+  H % Hk != 0, a mask of a shape that does not broadcast or of another dtype, a dtype other
+  than f32 / bf16, mixed dtypes, an unknown keyword.
+
+Algorithm (FlashAttention; see ops.attention_kernels for the nests). Blocks of 64 query rows
+and 64 keys; the scores of block (i, j) never leave a 64 x 64 f32 scratch block, so memory
+beyond the inputs and outputs is O(S * D) per head. The forward's step for (i, j):
+S^T = K_j Q_i^T (BRGEMM), one online-softmax equation (P^T in place, running max m and sum l
+in place, alpha = exp(m_old - m_new)), acc *= alpha, acc += P V_j (BRGEMM, trans_a), l +=
+column sums of P^T (a ones-row BRGEMM); after the last key block out = acc / l and lse =
+m + log l. Causal: key blocks past the query block are skipped by the guards (no work), the
+diagonal block masks key > query by the element indices. The backward (FlashAttention-2):
+Delta_i = rowsum(dO_i * O_i); for each kv head (in parallel) and key block j, for each query
+head of its group and query block i: S^T, dP^T = V_j dO_i^T (BRGEMMs), one equation giving
+P^T (dropped) and dS^T = scale * P^T * (dP^T - Delta) (from tpp.grad of the forward softmax
+graph), dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i += dS K_j (BRGEMMs, f32 accumulators); the
+thread owning a kv head owns its query heads' dQ, so no two threads write one block.
+
+Compilation and calls: one forward and one backward nest per (head dim, dtype, heads per call,
+group, causal, mask kind, dropout p): a new batch size or sequence length compiles nothing
+(the sequence lengths are sizes of the nests). A nest serves HC consecutive heads of the
+flattened (B * H) heads (HC: the largest divisor of H that is a multiple of the group, at most
+MAX_UNROLL): loop expressions are affine, so one nest cannot index both a runtime head count
+and a runtime sequence length; this module calls it B * H / HC times, spread over Python
+worker threads (each nest on one thread; a nest call releases the GIL) when there are at
+least as many calls as threads, else one after the other, each on every thread. 2-D masks
+(varying over queries and keys) run one call per query block (see ops.attention_kernels).
+Memory: the inputs' per-call copies are the last partial block of each head (sequences not a
+multiple of 64); the scratch per worker is O(HC * S * D); a mask is reblocked to an f32
+additive copy at its own broadcast shape (key masks O(S), 2-D masks O(Sq * Sk) like the
+mask itself).
+
+Dropout with a 2-D mask, GQA and every tail combination are supported; bf16 runs the BRGEMMs
+on bf16 inputs (widened to f32, no VNNI packing) with f32 accumulation and keeps P in f32.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+
+import numpy as np
+
+import tpp
+from tpp import arrays as _arrays
+from tpp import dtypes as _dt
+from tpp.errors import ArgumentError
+
+from . import _host
+from . import attention_kernels as K
+from .attention_kernels import BK, BQ
+
+_DTYPES = (_dt.F32, _dt.BF16)
+MAX_UNROLL = 16          # heads a nest handles per call (its calls are unrolled per head)
+_SERIAL_FLOPS = 2e6      # smaller problems run on one thread (waking the team costs more)
+
+
+# ---------------------------------------------------------------- public API
+def attention(q, k, v, *, mask=None, causal=False, scale=None, dropout_p=0.0, seed=None,
+              **unknown):
+    """softmax(q k^T * scale + mask) v per (batch, head); see the module docstring."""
+    _host.reject_unknown(attention, unknown)
+    return _forward(q, k, v, mask, causal, scale, dropout_p, seed)[0]
+
+
+def attention_forward(q, k, v, *, mask=None, causal=False, scale=None, dropout_p=0.0,
+                      seed=None, **unknown):
+    """(out, lse): lse f32 (B, H, Sq), the log-sum-exp of each query row's scaled and masked
+    scores (what attention_backward needs besides out)."""
+    _host.reject_unknown(attention_forward, unknown)
+    return _forward(q, k, v, mask, causal, scale, dropout_p, seed)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scale=None,
+                       dropout_p=0.0, seed=None, need=(True, True, True), **unknown):
+    """(dq, dk, dv) of attention_forward(q, k, v, ...) = (out, lse) for the output gradient
+    dout (q's shape and dtype); every option as the forward was called (seed: the forward's,
+    required with dropout). dq like q, dk and dv like k; None where need says so."""
+    _host.reject_unknown(attention_backward, unknown)
+    pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed, need_seed=True)
+    if not isinstance(need, (tuple, list)) or len(need) != 3:
+        raise ArgumentError(f"need must be a tuple of 3 bools, got {need!r}")
+    need = tuple(bool(x) for x in need)
+    shape = (pr.b, pr.h, pr.sq, pr.d)
+    do4, o4 = (_same(x, name, shape, pr) for x, name in ((dout, "dout"), (out, "out")))
+    lse = _host.host(lse, "lse")
+    if tuple(lse.shape) != shape[:3] or _dtype(lse, "lse") != _dt.F32:
+        raise ArgumentError(f"lse: expected f32 of shape {shape[:3]}, got {lse.dtype} "
+                            f"{tuple(lse.shape)}")
+    lse = _numpy(_host.contiguous(lse))
+    if not any(need):
+        return None, None, None
+    dq = np.empty(shape, pr.dt.numpy)
+    dk = np.empty((pr.b, pr.hk, pr.sk, pr.d), pr.dt.numpy)
+    dv = np.empty_like(dk)
+    if pr.b * pr.h == 0:
+        dk[...] = 0
+        dv[...] = 0
+    elif pr.sq == 0:
+        dk[...] = 0
+        dv[...] = 0
+    else:
+        _backward_run(pr, do4, o4, lse, dq, dk, dv)
+    return tuple(_result(x, pr.torch) if want else None
+                 for x, want in zip((dq, dk, dv), need))
+
+
+def _same(x, name, shape, pr):
+    x = _host.host(x, name)
+    if tuple(x.shape) != shape:
+        raise ArgumentError(f"{name}: expected q's shape {shape}, got {tuple(x.shape)}")
+    if _dtype(x, name) != pr.dt:
+        raise ArgumentError(f"{name}: expected {pr.dt} (q's dtype), got {x.dtype}")
+    return _numpy(_host.contiguous(x))
+
+
+# ---------------------------------------------------------------- argument handling
+class _Problem:
+    """Validated arguments as numpy arrays (zero-copy views of torch tensors), the geometry
+    and the nest options."""
+
+    def __init__(self, q, k, v, mask, causal, scale, dropout_p, seed, need_seed=False):
+        q, k, v = (_host.host(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        self.torch = _arrays.is_torch(q)
+        for x, name in ((k, "k"), (v, "v")):
+            if _arrays.is_torch(x) != self.torch:
+                raise ArgumentError(f"{name}: q, k and v must all be numpy arrays or all torch "
+                                    f"tensors")
+        dts = [_dtype(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+        if len(set(dts)) > 1:
+            raise ArgumentError(f"q, k and v must have one dtype, got {', '.join(map(str, dts))}")
+        self.dt = dts[0]
+        for x, name in ((q, "q"), (k, "k"), (v, "v")):
+            if len(x.shape) != 4:
+                raise ArgumentError(f"{name}: expected a 4-D (B, heads, S, D) array, got shape "
+                                    f"{tuple(x.shape)}")
+        b, h, sq, d = (int(n) for n in q.shape)
+        bk, hk, sk, dk = (int(n) for n in k.shape)
+        if tuple(v.shape) != tuple(k.shape):
+            raise ArgumentError(f"v: expected k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        if bk != b:
+            raise ArgumentError(f"k: batch {bk} differs from q's {b}")
+        if dk != d:
+            raise ArgumentError(f"k: head dim {dk} differs from q's {d}")
+        if hk < 1 or h % hk:
+            raise ArgumentError(f"q has {h} heads, k and v {hk}: the query heads must be a "
+                                f"multiple of the kv heads")
+        if d < 1 or sk < 1:
+            raise ArgumentError(f"head dim and key length must be >= 1, got D={d}, Sk={sk}")
+        self.b, self.h, self.hk, self.sq, self.sk, self.d = b, h, hk, sq, sk, d
+        self.group = h // hk
+        self.q, self.k, self.v = (_numpy(_host.contiguous(x)) for x in (q, k, v))
+        if not isinstance(causal, (bool, np.bool_)):
+            raise ArgumentError(f"causal must be True or False, got {causal!r}")
+        self.causal = bool(causal)
+        self.scale = 1.0 / math.sqrt(d) if scale is None else _number(scale, "scale")
+        p = _number(dropout_p, "dropout_p")
+        if not 0.0 <= p < 1.0:
+            raise ArgumentError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        self.p = p
+        if p > 0 and seed is None:
+            if need_seed:
+                raise ArgumentError("seed: dropout_p > 0 needs the forward's seed")
+            seed = int(np.random.randint(0, 2 ** 62, dtype=np.int64))
+        if seed is not None and (isinstance(seed, (bool, np.bool_))
+                                 or not isinstance(seed, (int, np.integer))):
+            raise ArgumentError(f"seed must be an int, got {seed!r}")
+        self.seed = None if seed is None else int(seed) & ((1 << 64) - 1)
+        self.mask_kind, self.mask = _mask(mask, (b, h, sq, sk), self.dt)
+        self.hc = _heads_per_call(h, self.group)
+        self.chunks = b * h // self.hc
+
+    def options(self, mheads=1) -> K.Options:
+        return K.Options(self.d, self.dt, self.hc, self.group, self.causal,
+                         self.mask_kind == "key", self.mask_kind == "full", mheads, self.p)
+
+    @property
+    def serial(self) -> bool:
+        """Whether the problem is too small to share (waking the team costs more)."""
+        return 4.0 * self.b * self.h * self.sq * self.sk * self.d < _SERIAL_FLOPS
+
+
+def _heads_per_call(h, group):
+    """The largest divisor of h that is a multiple of group and at most MAX_UNROLL (group
+    itself when that is larger)."""
+    best = group
+    for d in range(group, min(h, max(MAX_UNROLL, group)) + 1, group):
+        if h % d == 0:
+            best = d
+    return best
+
+
+def _dtype(x, name):
+    try:
+        dt = _dt.lookup(x.dtype)
+    except Exception:   # noqa: BLE001 - any dtype tpp does not know
+        dt = None
+    if dt not in _DTYPES:
+        raise ArgumentError(f"{name}: expected f32 or bf16 data, got {x.dtype}")
+    return dt
+
+
+def _number(value, name):
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ArgumentError(f"{name} must be finite, got {value!r}")
+    return v
+
+
+def _numpy(x):
+    """A numpy view of a host array or CPU torch tensor (bf16 through ml_dtypes)."""
+    if type(x) is np.ndarray:
+        return x
+    import torch
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(_dt.BF16.numpy)
+    if x.dtype == torch.bool:
+        return x.numpy()
+    return x.numpy()
+
+
+def _result(arr, torch_out):
+    """arr (numpy) as a torch tensor when the inputs were torch tensors (zero-copy)."""
+    if not torch_out:
+        return arr
+    import torch
+    if arr.dtype == _dt.BF16.numpy:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def _mask(mask, shape, dt):
+    """(kind, additive f32 mask broadcast-ready as a 4-D numpy array): kind None, "key" (the
+    mask does not vary over the queries: (mb, mh, 1, Sk)) or "full"."""
+    if mask is None:
+        return None, None
+    mask = _host.host(mask, "mask")
+    native = str(mask.dtype).split(".")[-1]
+    mshape = tuple(int(n) for n in mask.shape)
+    try:
+        ok = len(mshape) <= 4 and np.broadcast_shapes(mshape, shape) == shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ArgumentError(f"mask: shape {mshape} does not broadcast to (B, H, Sq, Sk) = "
+                            f"{shape}")
+    m = _numpy(_host.contiguous(mask))
+    if native == "bool":
+        add = np.where(m, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    else:
+        mdt = _dtype(mask, "mask")
+        if mdt not in (_dt.F32, dt):
+            raise ArgumentError(f"mask: an additive mask must be f32 or q's dtype ({dt}), got "
+                                f"{mask.dtype}")
+        add = np.asarray(m, np.float32)
+    add = add.reshape((1,) * (4 - len(mshape)) + mshape)
+    kind = "key" if add.shape[2] == 1 else "full"
+    return kind, add
+
+
+# ---------------------------------------------------------------- layout helpers
+def _tail(x3, block, heads):
+    """The zero-padded last partial block of each head of x3 (N, S, D): (N, block, D), or
+    zeros for `heads` heads when S is a multiple of block (the nest never reads it then)."""
+    n, s, d = x3.shape
+    r = s % block
+    if r == 0:
+        return np.zeros((heads, block, d), x3.dtype)
+    t = np.zeros((n, block, d), x3.dtype)
+    t[:, :r] = x3[:, s - r:]
+    return t
+
+
+def _key_tail_mask(sk):
+    cm = np.zeros(BK, np.float32)
+    r = sk % BK
+    if r:
+        cm[r:] = -np.inf
+    return cm
+
+
+def _ones():
+    return np.ones(BK, np.float32)
+
+
+def _chunk(arr, c, count):
+    """Rows c * count ... of arr (a tail array of one block per head, or a dummy)."""
+    return arr[c * count:(c + 1) * count] if arr.shape[0] > count else arr
+
+
+# ---------------------------------------------------------------- forward
+def _forward(q, k, v, mask, causal, scale, dropout_p, seed):
+    pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed)
+    b, h, hk, sq, sk, d, dt = pr.b, pr.h, pr.hk, pr.sq, pr.sk, pr.d, pr.dt
+    out = np.empty((b, h, sq, d), dt.numpy)
+    nq = -(-sq // BQ)
+    nk = -(-sk // BK)
+    lse_p = np.empty((b * h, max(nq, 1) * BQ), np.float32)
+    if b * h and sq:
+        _forward_run(pr, out.reshape(b * h, sq, d), lse_p, nq, nk)
+    lse = np.ascontiguousarray(lse_p[:, :sq]).reshape(b, h, sq)
+    return _result(out, pr.torch), _result(lse, pr.torch)
+
+
+def _forward_run(pr, out3, lse_p, nq, nk):
+    hc, g, d, dt = pr.hc, pr.group, pr.d, pr.dt
+    hkc = hc // g
+    q3 = pr.q.reshape(-1, pr.sq, d)
+    k3 = pr.k.reshape(-1, pr.sk, d)
+    v3 = pr.v.reshape(-1, pr.sk, d)
+    qt, kt, vt = _tail(q3, BQ, hc), _tail(k3, BK, hkc), _tail(v3, BK, hkc)
+    outt = np.empty((q3.shape[0] if pr.sq % BQ else hc, BQ, d), dt.numpy)
+    per_block = pr.mask_kind == "full"
+    snq = 1 if per_block else nq
+    shared = {"cm": _key_tail_mask(pr.sk), "scale": np.full(1, pr.scale, np.float32),
+              "ones": _ones()}
+
+    def scratch():
+        return dict(shared, qT=np.empty((hc, snq, d, BQ), dt.numpy),
+                    st=np.empty((hc, snq, BK, BQ), np.float32),
+                    acc=np.empty((hc, snq, BQ, d), np.float32),
+                    m=np.empty((hc, snq * BQ), np.float32),
+                    l=np.empty((hc, snq * BQ), np.float32),
+                    alpha=np.empty((hc, snq * BQ), np.float32))
+
+    masks, mheads = _mask_slabs(pr, nq, nk)
+    nest = K.forward(pr.options(mheads))
+
+    def run(c, arrays, threads):
+        arrays.update(q=q3[c * hc:(c + 1) * hc], k=k3[c * hkc:(c + 1) * hkc],
+                      v=v3[c * hkc:(c + 1) * hkc], qt=_chunk(qt, c, hc),
+                      kt=_chunk(kt, c, hkc), vt=_chunk(vt, c, hkc),
+                      out=out3[c * hc:(c + 1) * hc], outt=_chunk(outt, c, hc),
+                      lse=lse_p[c * hc:(c + 1) * hc])
+        _run_chunk(pr, nest, arrays, c, masks, nq, threads)
+
+    _schedule(pr, run, scratch)
+    if pr.sq % BQ:
+        r = pr.sq % BQ
+        out3[:, pr.sq - r:] = outt[:, :r]
+
+
+def _run_chunk(pr, nest, arrays, c, masks, nq, threads):
+    """One nest call for chunk c (one per query block for full masks)."""
+    sizes = {}
+    if pr.p:
+        sizes.update(SEEDLO=pr.seed & 0xFFFFFFFF, SEEDHI=(pr.seed >> 32) & 0xFFFF,
+                     CH=c * pr.hc)
+    if masks is None:
+        nest.run(arrays, threads, **sizes)
+    elif pr.mask_kind == "key":
+        arrays["km"] = masks(c)
+        nest.run(arrays, threads, **sizes)
+    else:
+        for i in range(nq):
+            arrays["mk"] = masks(c, i)
+            nest.run(arrays, threads, I=i, **sizes)
+
+
+def _schedule(pr, run, scratch):
+    """run(c, arrays, threads) for every chunk c, arrays a scratch() dict of the calling
+    thread. Few chunks: in order, each nest on the team (tpp.get_num_threads()). As many
+    chunks as threads or more: chunks spread over Python worker threads, each nest on one
+    thread (a nest call releases the GIL): one fork and join per operator call instead of a
+    parallel region per chunk, whose barriers cost a scheduler time slice each on a busy
+    machine."""
+    count = pr.chunks
+    team = 1 if pr.serial else tpp.get_num_threads()
+    if team == 1 or count < team or (count < 2 * team and count % team):
+        arrays = scratch()
+        for c in range(count):
+            run(c, arrays, 1 if pr.serial else None)
+        return
+    counter = itertools.count()
+
+    def worker():
+        arrays = scratch()
+        for c in iter(counter.__next__, None):
+            if c >= count:
+                return
+            run(c, arrays, 1)
+
+    futures = [_pool(team - 1).submit(worker) for _ in range(team - 1)]
+    worker()
+    for f in futures:
+        f.result()
+
+
+_POOLS: dict = {}
+
+
+def _pool(workers):
+    """A process-wide pool of `workers` threads (the operator's calling thread is the last)."""
+    pool = _POOLS.get(workers)
+    if pool is None:
+        _POOLS.clear()
+        pool = _POOLS[workers] = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="tpp-attention")
+    return pool
+
+
+def _mask_slabs(pr, nq, nk):
+    """(function giving the mask arrays of a chunk (and query block), mask heads): key masks
+    as (mheads, NK * 64) additive rows, full masks as (mheads, NK, 64, 64) transposed blocks
+    (key rows, query columns), padded keys -inf, padded queries 0."""
+    if pr.mask is None:
+        return None, 1
+    add = pr.mask
+    mb, mh = add.shape[0], add.shape[1]
+    hc = pr.hc
+    heads = hc if mh > 1 else 1
+    if pr.mask_kind == "key":
+        rows = np.full((mb, mh, nk * BK), -np.inf, np.float32)
+        rows[:, :, :pr.sk] = np.broadcast_to(add[:, :, 0, :], (mb, mh, pr.sk))
+
+        def key(c):
+            bh0 = c * hc
+            bi, h0 = divmod(bh0, pr.h)
+            return rows[bi if mb > 1 else 0, h0:h0 + hc] if mh > 1 else \
+                rows[bi if mb > 1 else 0, :1]
+        return key, heads
+    # full: (mb, mh, NQ, NK, BK, BQ), the transposed blocks
+    full = np.broadcast_to(add, (mb, mh, pr.sq, pr.sk))
+    blocks = np.full((mb, mh, nq * BQ, nk * BK), -np.inf, np.float32)
+    blocks[:, :, :pr.sq, :pr.sk] = full
+    blocks[:, :, pr.sq:, :] = 0.0
+    blocks = np.ascontiguousarray(
+        blocks.reshape(mb, mh, nq, BQ, nk, BK).transpose(0, 2, 1, 4, 5, 3))
+
+    def block(c, i):
+        bh0 = c * hc
+        bi, h0 = divmod(bh0, pr.h)
+        sel = blocks[bi if mb > 1 else 0, i]
+        return sel[h0:h0 + hc] if mh > 1 else sel[:1]
+    return block, heads
+
+
+# ---------------------------------------------------------------- backward
+def _backward_run(pr, do4, o4, lse, dq, dk, dv):
+    hc, g, d, dt, sq, sk = pr.hc, pr.group, pr.d, pr.dt, pr.sq, pr.sk
+    hkc = hc // g
+    nq, nk = -(-sq // BQ), -(-sk // BK)
+    q3, o3, do3 = (x.reshape(-1, sq, d) for x in (pr.q, o4, do4))
+    k3, v3 = (x.reshape(-1, sk, d) for x in (pr.k, pr.v))
+    dq3, dk3, dv3 = dq.reshape(-1, sq, d), dk.reshape(-1, sk, d), dv.reshape(-1, sk, d)
+    tails = {"qt": _tail(q3, BQ, hc), "ot": _tail(o3, BQ, hc), "dot": _tail(do3, BQ, hc),
+             "kt": _tail(k3, BK, hkc), "vt": _tail(v3, BK, hkc)}
+    outs_t = {"dqt": np.empty((q3.shape[0] if sq % BQ else hc, BQ, d), dt.numpy),
+              "dkt": np.empty((k3.shape[0] if sk % BK else hkc, BK, d), dt.numpy),
+              "dvt": np.empty((k3.shape[0] if sk % BK else hkc, BK, d), dt.numpy)}
+    lse_p = np.full((q3.shape[0], nq * BQ), np.inf, np.float32)
+    lse_p[:, :sq] = lse.reshape(-1, sq)
+    per_block = pr.mask_kind == "full"
+    snq = 1 if per_block else nq
+    shared = {"cm": _key_tail_mask(sk), "scale": np.full(1, pr.scale, np.float32)}
+
+    def scratch():
+        return dict(shared, qT=np.empty((hc, snq, d, BQ), dt.numpy),
+                    doT=np.empty((hc, snq, d, BQ), dt.numpy),
+                    delta=np.empty((hc, snq * BQ), np.float32),
+                    gq=np.empty((hc, snq, BQ, d), np.float32),
+                    gk=np.empty((hkc, nk, BK, d), np.float32),
+                    gv=np.empty((hkc, nk, BK, d), np.float32),
+                    st=np.empty((hkc, BK, BQ), np.float32),
+                    dpt=np.empty((hkc, BK, BQ), np.float32))
+
+    masks, mheads = _mask_slabs(pr, nq, nk)
+    nest = K.backward(pr.options(mheads))
+
+    def run(c, arrays, threads):
+        qs, ks = slice(c * hc, (c + 1) * hc), slice(c * hkc, (c + 1) * hkc)
+        arrays.update(q=q3[qs], o=o3[qs], do=do3[qs], k=k3[ks], v=v3[ks], lse=lse_p[qs],
+                      dq=dq3[qs], dk=dk3[ks], dv=dv3[ks])
+        for name, arr in tails.items():
+            arrays[name] = _chunk(arr, c, hc if name[0] in "qod" else hkc)
+        for name, arr in outs_t.items():
+            arrays[name] = _chunk(arr, c, hc if name == "dqt" else hkc)
+        _run_chunk(pr, nest, arrays, c, masks, nq, threads)
+
+    _schedule(pr, run, scratch)
+    for x3, tail_arr, block in ((dq3, outs_t["dqt"], BQ), (dk3, outs_t["dkt"], BK),
+                                (dv3, outs_t["dvt"], BK)):
+        r = x3.shape[1] % block
+        if r:
+            x3[:, x3.shape[1] - r:] = tail_arr[:, :r]

@@ -1,0 +1,492 @@
+"""The compiled pieces of ops.attention: the equations of one block step and the loop nests.
+
+Orientation. Every score block is kept *transposed*: S^T = K_j Q_i^T, a (BK x BQ) block whose
+rows are keys and whose columns are queries. Then K_j and V_j are read straight from the
+caller's row-major (S, D) head slices (a BRGEMM's A rows, and B of the P.V product), only the
+query block is transposed (Q_i^T, once per work item, into the item's own scratch), the
+softmax statistics of a query are column reductions (a vectorised max / sum down the rows,
+no horizontal reductions), and O_i += P_ij V_j is a BRGEMM with trans_a on the stored P^T
+(trans_a costs nothing: A is read by broadcasts). The backward keeps the same orientation, so
+dropout's keep bits (a function of the element's flat index in the block) are the same bits.
+
+Nests. Loop expressions are affine (a loop value times a size is not), so a tensor can have
+one runtime extent that loop values index: the query (or key) blocks of a head. Heads are
+therefore *unrolled*: a nest serves a fixed number HC of consecutive (batch, head) rows of the
+flattened (B*H, S, D) inputs, with one copy of its calls per head h, guarded by `a == h` on the
+parallel head loop `a` (the head's data at the constant offset h * S * D, which is affine).
+The caller runs the nest once per chunk of HC heads (ops.attention: B * H / HC calls). Sizes:
+SQ and SK (the sequence lengths; ceil(S / 64) blocks), and for the dropout seed CH (the
+chunk's first head) with SEEDLO / SEEDHI; the per-query-block variant (2-D masks: the mask
+block of (i, j) needs two runtime indices, which no affine address has) adds I, the query
+block, and runs once per (chunk, query block).
+
+Tails. Sequence lengths that are not multiples of the block size are handled by the caller's
+zero-padded copies of the last partial block of each head (q, k, v and, backward, o, do, lse;
+small: one block per head): the nest reads block i < SQ // BQ from the slab and the tail block
+(i == SQ // BQ) from the tail array; outputs likewise (the caller copies the tail rows back).
+Padded keys get -inf through the additive column input `cm` (0 for a valid key, -inf past the
+end), padded queries are computed and never stored.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import tpp
+from tpp import dtypes as _dt
+from tpp import expr as X
+from tpp.lru import also_clear
+
+BQ = 64             # query rows per block (columns of a score block)
+BK = 64             # key rows per block (rows of a score block); == BQ: causal blocks align
+NEG_INF = -math.inf
+SEED_BLOCK_BITS = 16   # a block's seed: (CH + h) in the low word, j + (i << 16) in the high
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a compiled nest is specialised for (its cache key, with the head geometry).
+
+    d: head dim; dtype: of q/k/v/out (F32 or BF16); hc: query heads per call; group: query
+    heads per kv head (hc % group == 0); causal; keymask: an additive (per key) mask input
+    of `mheads` heads (1: shared by the chunk's heads, else hc); mask2d: an additive
+    (query x key) mask input per (head, key block, query block) of `mheads` heads, which makes
+    the nest the per-query-block variant; dropout: the probability (0.0: none)."""
+    d: int
+    dtype: object
+    hc: int
+    group: int
+    causal: bool = False
+    keymask: bool = False
+    mask2d: bool = False
+    mheads: int = 1
+    dropout: float = 0.0
+
+
+# ---------------------------------------------------------------- equations
+def _scores(eq, o: Options, *, diag: bool, tail: bool):
+    """z, the scaled and masked scores of a (BK x BQ) S^T block: s * scale + masks."""
+    z = eq.input("s") * eq.param("scale")
+    if o.keymask or (tail and not o.mask2d):
+        z = z + eq.input("cm", bcast="col")          # per key: the mask, -inf past the end
+    if o.mask2d:
+        z = z + eq.input("mk")                       # per (key, query); -inf past the end
+    if diag:                                         # causal diagonal block: key > query out
+        z = X.select(X.islt(X.index("col"), X.index("row")), NEG_INF, z)
+    return z
+
+
+def _finite_or_zero(m):
+    """m where finite-from-below, 0 where -inf (a column with no key yet): exp(z - m) is then
+    exp(-inf) = 0 there instead of NaN."""
+    return X.select(X.compare("eq", m, NEG_INF), 0.0, m)
+
+
+def _dropped(eq, o: Options, p):
+    """p with dropout's keep bits applied (the op table's definition), or p."""
+    if not o.dropout:
+        return p
+    y, _keep = eq.op("dropout", p, p=o.dropout)
+    return y
+
+
+@functools.lru_cache(maxsize=256)
+def step_spec(o: Options, first: bool, diag: bool, tail: bool):
+    """The online-softmax step on the S^T block of (i, j), in place: P^T over s; m (the
+    running column maxima) updated in place; alpha = exp(m_old - m_new); l (the running sums
+    of the undropped probabilities) updated in place. Without dropout the step writes
+    l = alpha * l_old and the caller's ones-row BRGEMM adds the column sums of P^T (no second
+    exp pass); with dropout P^T is written dropped and the sums are taken here. `first`:
+    the first key block of a query block (no m_old / l_old, no alpha)."""
+    eq = tpp.equation(BK, BQ)
+    z = _scores(eq, o, diag=diag, tail=tail)
+    cmax = eq.max(z, 0)
+    outs = {}
+    if first:
+        m_new = cmax
+    else:
+        m_old = eq.input("m", bcast="row")
+        l_old = eq.input("l", bcast="row")
+        m_new = eq.maximum(m_old, cmax)
+    safe = _finite_or_zero(m_new)
+    p = eq.exp(z - safe)
+    outs["p"] = _dropped(eq, o, p)
+    outs["m_out"] = m_new
+    if not first:
+        alpha = eq.exp(m_old - safe)
+        outs["alpha"] = alpha
+        scaled = alpha * l_old
+    if o.dropout:
+        outs["l_out"] = eq.sum(p, 0) if first else scaled + eq.sum(p, 0)
+    elif not first:
+        outs["l_out"] = scaled
+    return eq.spec(**outs)
+
+
+@functools.lru_cache(maxsize=256)
+def rescale_spec(d: int):
+    """acc (BQ x d) *= alpha (one factor per query row), in place."""
+    eq = tpp.equation(BQ, d)
+    acc = eq.input("acc")
+    return eq.spec(acc_out=acc * eq.input("alpha", bcast="col"))
+
+
+@functools.lru_cache(maxsize=256)
+def finish_spec(d: int, dtype):
+    """out = acc / l (0 where l == 0: a query no key may see, as torch gives) in the output's
+    dtype, and lse = m + log(l) (-inf there)."""
+    eq = tpp.equation(BQ, d)
+    acc = eq.input("acc")
+    l_in = eq.input("l", bcast="col")
+    m = eq.input("m", bcast="col")
+    inv = X.select(X.compare("gt", l_in, 0.0), 1.0 / l_in, 0.0)
+    return eq.spec(out=acc * inv, lse=m + eq.log(l_in), dtypes={"out": dtype})
+
+
+def _brgemm(m, n, k, **kw):
+    return tpp.make_brgemm(m, n, k, **kw)
+
+
+# ---------------------------------------------------------------- the forward nest
+def _seed(h, i, j):
+    """The dropout seed of block (i, j) of the chunk's head h (see SEED_BLOCK_BITS)."""
+    lo = tpp.size("SEEDLO") + tpp.size("CH") + h
+    hi = tpp.size("SEEDHI") + j + i * (1 << SEED_BLOCK_BITS)
+    return lo + hi * (1 << 32)
+
+
+class Forward:
+    """The forward nest of one Options: `run(arrays)` over one chunk of heads.
+
+    Tensors (by name, in `names` order; f32 unless noted):
+      q (hc, SQ, d) dtype, k and v (hc // group, SK, d) dtype   the chunk's slabs
+      qt, kt, vt                                               their zero-padded tail blocks
+                                                               ((heads, 64, d), dtype)
+      out (hc, SQ, d) dtype, outt (hc, 64, d) dtype           the output and its tail block
+      lse (hc, NQ * 64)                                        log-sum-exp per query row
+      cm (64,)                                                 0 / -inf per key of the tail
+      km (mheads, NK * 64) or mk (mheads, NK, 64, 64)         masks (keymask / mask2d)
+      scale (1,), ones (64,)
+      scratch: qT (hc, NQ, d, 64) dtype, st (hc, NQ, 64, 64), acc (hc, NQ, 64, d),
+               m, l, alpha (hc, NQ * 64)
+    In the per-query-block variant (mask2d) NQ is 1 and the query block is the size I."""
+
+    def __init__(self, o: Options):
+        self.o = o
+        d, dt, hc, group = o.d, o.dtype, o.hc, o.group
+        sq, sk = tpp.size("SQ"), tpp.size("SK")
+        nq_full, nk_full = sq // BQ, sk // BK
+        nk = (sk + BK - 1) // BK
+        per_block = o.mask2d
+        if per_block:
+            nq = 1
+            nest = tpp.LoopNest("Ab", a=hc, b=nk)
+            a, j = nest.vars
+            ii = 0                         # the scratch's query block index
+            qi = tpp.size("I")             # the query block
+        else:
+            nq = (sq + BQ - 1) // BQ
+            nest = tpp.LoopNest("ABc", a=hc, b=nq, c=nk)
+            a, ii, j = nest.vars
+            qi = ii
+        hk = hc // group
+        t = {}
+
+        def tensor(name, shape, dtype=_dt.F32):
+            t[name] = nest.tensor(name, shape, dtype)
+
+        tensor("q", (hc, sq, d), dt)
+        tensor("k", (hk, sk, d), dt)
+        tensor("v", (hk, sk, d), dt)
+        tensor("qt", (hc, BQ, d), dt)
+        tensor("kt", (hk, BK, d), dt)
+        tensor("vt", (hk, BK, d), dt)
+        tensor("out", (hc, sq, d), dt)
+        tensor("outt", (hc, BQ, d), dt)
+        tensor("lse", (hc, (sq + BQ - 1) // BQ * BQ))
+        tensor("cm", (BK,))
+        if o.keymask:
+            tensor("km", (o.mheads, nk * BK))
+        if o.mask2d:
+            tensor("mk", (o.mheads, nk, BK, BQ))
+        tensor("scale", (1,))
+        tensor("ones", (BK,))
+        tensor("qT", (hc, nq, d, BQ), dt)
+        tensor("st", (hc, nq, BK, BQ))
+        tensor("acc", (hc, nq, BQ, d))
+        for name in ("m", "l", "alpha"):
+            tensor(name, (hc, nq * BQ))
+        self.names = tuple(t)
+
+        q_cases = ((qi < nq_full,), lambda h: t["q"][h, qi * BQ]), \
+                  ((qi == nq_full,), lambda h: t["qt"][h])
+        out_cases = ((qi < nq_full,), lambda h: t["out"][h, qi * BQ]), \
+                    ((qi == nq_full,), lambda h: t["outt"][h])
+        k_cases = (False, (j < nk_full,), lambda c, x: t[x][c, j * BK]), \
+                  (True, (j == nk_full,), lambda c, x: t[x + "t"][c])
+        if o.causal:
+            visible = (j <= qi,)
+            diag_cases = ((False, (j < qi,)), (True, (j == qi,)))
+            # the last key block a query block sees: min(i, NK - 1)
+            last_cases = ((j == qi, qi < nk), (j == nk - 1, qi >= nk))
+        else:
+            visible = ()
+            diag_cases = ((False, ()),)
+            last_cases = ((j == nk - 1,),)
+        first_cases = ((True, (j == 0,)), (False, (j > 0,)))
+
+        transpose = tpp.make_unary("transpose", BQ, d, ldi=d, ldo=BQ, dtype_in=dt)
+        scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
+        sums = {first: _brgemm(1, BQ, BK, lda=BK, ldb=BQ, ldc=BQ, beta=0 if first else 1)
+                for first in (True, False)}
+        pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True, dtype_a=_dt.F32,
+                             dtype_b=dt, beta=0 if first else 1)
+              for first in (True, False)}
+        rescale, finish = rescale_spec(d), finish_spec(d, dt)
+        scale, ones, cm = t["scale"][0], t["ones"][0], t["cm"][0]
+
+        for h in range(hc):
+            c = h // group
+            mh = h if o.mheads > 1 else 0
+            own = (a == h,)
+            qT, st, acc = t["qT"][h, ii], t["st"][h, ii], t["acc"][h, ii]
+            m, l, alpha = t["m"][h, ii * BQ], t["l"][h, ii * BQ], t["alpha"][h, ii * BQ]
+            for cond, addr in q_cases:       # Q_i^T, once per work item
+                nest.call(transpose, addr(h), qT, when=own + (j == 0,) + cond)
+            for tail, kcond, kaddr in k_cases:
+                nest.call(scores, kaddr(c, "k"), qT, st, when=own + visible + kcond)
+                for diag, dcond in diag_cases:
+                    for first, fcond in first_cases:
+                        spec = step_spec(o, first, diag, tail)
+                        names = {"s": st, "scale": scale, "p": st, "m": m, "l": l,
+                                 "m_out": m, "l_out": l, "alpha": alpha, "cm": cm}
+                        if o.keymask:
+                            names["cm"] = t["km"][mh, j * BK]
+                        if o.mask2d:
+                            names["mk"] = t["mk"][mh, j]
+                        args = [names[op.name] for op in spec.operands()]
+                        seed = _seed(h, qi, j) if spec.scalars else None
+                        nest.call(spec, *args, when=own + visible + kcond + dcond + fcond,
+                                  seed=seed)
+                for first, fcond in first_cases:
+                    if not first:
+                        nest.call(rescale, acc, alpha, acc, when=own + visible + kcond + fcond)
+                    nest.call(pv[first], st, kaddr(c, "v"), acc,
+                              when=own + visible + kcond + fcond)
+                    if not o.dropout:
+                        nest.call(sums[first], ones, st, l, when=own + visible + kcond + fcond)
+            for lcond in last_cases:
+                for cond, addr in out_cases:
+                    nest.call(finish, acc, l, m, addr(h), t["lse"][h, qi * BQ],
+                              when=own + lcond + cond)
+        self.nest = nest.compile()
+
+    def run(self, arrays: dict, threads=None, **sizes):
+        args = [arrays[name] for name in self.names]
+        if sizes:
+            self.nest(*args, threads=threads, **sizes)
+        else:
+            self.nest.call(tuple(args), threads)
+
+
+@functools.lru_cache(maxsize=64)
+def forward(o: Options) -> Forward:
+    return Forward(o)
+
+
+also_clear(forward.cache_clear)
+
+
+# ---------------------------------------------------------------- backward
+@functools.lru_cache(maxsize=256)
+def backward_step_spec(o: Options, diag: bool, tail: bool):
+    """The backward equation of block (i, j), from tpp.grad of the forward softmax graph: on
+    the S^T block s and dP^T (the cotangent of the dropped probabilities, dO_i V_j^T), with
+    the forward's lse and Delta = rowsum(dO * O) per query column, it writes pt, the dropped
+    P^T (for dV), and ds = dS^T = scale * P^T * (dP^T - Delta) (for dK and dQ).
+
+    The gradient of softmax(z) = e / sum(e), e = exp(z - max), differentiated with the max as
+    a constant, is rewritten with the saved statistics: e -> exp(z - lse) (= P, the forward's
+    probabilities), sum(e) -> 1, and its one column reduction sum(P * dP) -> Delta (the sum
+    over *all* key blocks, which one block cannot see; Delta is that sum: dO . O)."""
+    eq = tpp.equation(BK, BQ)
+    z = _scores(eq, o, diag=diag, tail=tail)
+    s = X.input("s")
+    dpd = eq.input("dp")
+    lse = eq.input("lse", bcast="row")
+    delta = eq.input("delta", bcast="row")
+    mx = eq.max(z, 0)
+    e = eq.exp(z - mx)
+    total = eq.sum(e, 0)
+    pd = _dropped(eq, o, e / total)
+    ds, = tpp.grad([pd], [s], [dpd], stop_gradient=[mx])
+    # a query that saw no key (lse -inf): exp(z - +inf) = 0, not NaN
+    p_saved = eq.exp(z - X.select(X.compare("eq", lse, NEG_INF), math.inf, lse))
+    pd, ds = X.substitute([pd, ds], {e: p_saved, total: X.const(1.0)})
+    sums = [n for n in X.topological([ds]) if n.op in X.REDUCTIONS]
+    assert len(sums) == 1 and sums[0].attr[0] == 0, "the softmax gradient's one column sum"
+    ds, = X.substitute([ds], {sums[0]: delta})
+    return eq.spec(pt=pd, ds=ds)
+
+
+@functools.lru_cache(maxsize=256)
+def delta_spec(d: int, dtype):
+    """Delta = rowsum(dO * O) of a (BQ x d) block: one value per query row."""
+    eq = tpp.equation(BQ, d)
+    return eq.spec(delta=eq.sum(eq.input("do", dtype=dtype) * eq.input("o", dtype=dtype), 1))
+
+
+class Backward:
+    """The backward nest of one Options over one chunk of heads: `run(arrays)`.
+
+    Parallel over the chunk's kv heads (loop a); per kv head, serial over key blocks j and
+    query blocks i, and over the query heads of its group (unrolled): the thread owning a kv
+    head writes the dK_j, dV_j of that head and the dQ_i of its query heads, no other.
+
+    Tensors (by name, in `names` order; f32 unless noted): q, o, do (hc, SQ, d) dtype and
+    their tail blocks qt, ot, dot (hc, 64, d); k, v (hk, SK, d) dtype and kt, vt (hk, 64, d);
+    lse (hc, NQ * 64) (padded queries: +inf); dq (hc, SQ, d), dk, dv (hk, SK, d) dtype and
+    their tail blocks dqt (hc, 64, d), dkt, dvt (hk, 64, d); cm, km / mk, scale as forward;
+    scratch: qT, doT (hc, NQ, d, 64) dtype, delta (hc, NQ * 64), gq (hc, NQ, 64, d),
+    gk, gv (hk, NK, 64, d) (f32 accumulators), st, dpt (hk, 64, 64). The per-query-block
+    variant (mask2d) runs once per query block I (the caller's loop, in order): the scratch
+    holds that one block (NQ = 1), gk / gv carry the sums across the calls (zeroed at I == 0,
+    stored at the last I), and mk is (mheads, NK, 64, 64) as in the forward."""
+
+    def __init__(self, o: Options):
+        self.o = o
+        d, dt, hc, group = o.d, o.dtype, o.hc, o.group
+        hk = hc // group
+        sq, sk = tpp.size("SQ"), tpp.size("SK")
+        nq_full, nk_full = sq // BQ, sk // BK
+        nq, nk = (sq + BQ - 1) // BQ, (sk + BK - 1) // BK
+        per_block = o.mask2d
+        if per_block:               # the query block is the size I (see Forward)
+            nest = tpp.LoopNest("Ab", a=hk, b=nk)
+            a, j = nest.vars
+            ii, i = 0, tpp.size("I")
+            snq = 1
+        else:
+            nest = tpp.LoopNest("Abc", a=hk, b=nk, c=nq)
+            a, j, i = nest.vars
+            ii, snq = i, nq
+        t = {}
+
+        def tensor(name, shape, dtype=_dt.F32):
+            t[name] = nest.tensor(name, shape, dtype)
+
+        for name in ("q", "o", "do"):
+            tensor(name, (hc, sq, d), dt)
+        for name in ("k", "v"):
+            tensor(name, (hk, sk, d), dt)
+        for name in ("qt", "ot", "dot"):
+            tensor(name, (hc, BQ, d), dt)
+        for name in ("kt", "vt"):
+            tensor(name, (hk, BK, d), dt)
+        tensor("lse", (hc, nq * BQ))
+        tensor("dq", (hc, sq, d), dt)
+        tensor("dk", (hk, sk, d), dt)
+        tensor("dv", (hk, sk, d), dt)
+        tensor("dqt", (hc, BQ, d), dt)
+        tensor("dkt", (hk, BK, d), dt)
+        tensor("dvt", (hk, BK, d), dt)
+        tensor("cm", (BK,))
+        if o.keymask:
+            tensor("km", (o.mheads, nk * BK))
+        if o.mask2d:
+            tensor("mk", (o.mheads, nk, BK, BQ))
+        tensor("scale", (1,))
+        tensor("qT", (hc, snq, d, BQ), dt)
+        tensor("doT", (hc, snq, d, BQ), dt)
+        tensor("delta", (hc, snq * BQ))
+        tensor("gq", (hc, snq, BQ, d))
+        tensor("gk", (hk, nk, BK, d))
+        tensor("gv", (hk, nk, BK, d))
+        tensor("st", (hk, BK, BQ))
+        tensor("dpt", (hk, BK, BQ))
+        self.names = tuple(t)
+
+        def q_side(name, h):    # a query block of a (hc, SQ, d) input or output, or its tail
+            return (((i < nq_full,), t[name][h, i * BQ]), ((i == nq_full,), t[name + "t"][h]))
+
+        def k_side(name, c):
+            return (((j < nk_full,), t[name][c, j * BK], False),
+                    ((j == nk_full,), t[name + "t"][c], True))
+
+        transpose = tpp.make_unary("transpose", BQ, d, ldi=d, ldo=BQ, dtype_in=dt)
+        zero = tpp.make_unary("zero", BQ, d)
+        to_out = tpp.make_unary("identity", BQ, d, dtype_in=_dt.F32, dtype_out=dt)
+        scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
+        # dP^T = V_j dO_i^T; dV_j += P^T dO_i; dK_j += dS^T Q_i; dQ_i += dS K_j
+        acc_k = _brgemm(BK, d, BQ, lda=BQ, ldb=d, ldc=d, dtype_a=_dt.F32, dtype_b=dt, beta=1)
+        acc_q = _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True, dtype_a=_dt.F32,
+                        dtype_b=dt, beta=1)
+        delta = delta_spec(d, dt)
+        visible = (j <= i,) if o.causal else ()
+        diag_cases = ((False, (j < i,)), (True, (j == i,))) if o.causal else ((False, ()),)
+        scale, cm = t["scale"][0], t["cm"][0]
+
+        for c in range(hk):
+            own = (a == c,)
+            st, dpt = t["st"][c], t["dpt"][c]
+            gk, gv = t["gk"][c, j], t["gv"][c, j]
+            nest.call(zero, gk, when=own + (i == 0,))
+            nest.call(zero, gv, when=own + (i == 0,))
+            for g in range(group):
+                h = c * group + g
+                mh = h if o.mheads > 1 else 0
+                qT, doT = t["qT"][h, ii], t["doT"][h, ii]
+                gq, dl = t["gq"][h, ii], t["delta"][h, ii * BQ]
+                first = own + (j == 0,)
+                for cond, addr in q_side("q", h):
+                    nest.call(transpose, addr, qT, when=first + cond)
+                for (cond, o_at), (_, do_at) in zip(q_side("o", h), q_side("do", h)):
+                    nest.call(transpose, do_at, doT, when=first + cond)
+                    nest.call(delta, do_at, o_at, dl, when=first + cond)
+                nest.call(zero, gq, when=first)
+                for kcond, k_at, tail in k_side("k", c):
+                    (_, v_at, _), = [x for x in k_side("v", c) if x[2] == tail]
+                    step = own + visible + kcond
+                    nest.call(scores, k_at, qT, st, when=step)
+                    nest.call(scores, v_at, doT, dpt, when=step)
+                    for diag, dcond in diag_cases:
+                        spec = backward_step_spec(o, diag, tail)
+                        names = {"s": st, "dp": dpt, "lse": t["lse"][h, i * BQ], "delta": dl,
+                                 "scale": scale, "cm": cm, "pt": st, "ds": dpt}
+                        if o.keymask:
+                            names["cm"] = t["km"][mh, j * BK]
+                        if o.mask2d:
+                            names["mk"] = t["mk"][mh, j]
+                        args = [names[op.name] for op in spec.operands()]
+                        seed = _seed(h, i, j) if spec.scalars else None
+                        nest.call(spec, *args, when=step + dcond, seed=seed)
+                    for q_cond, q_at in q_side("q", h):
+                        nest.call(acc_k, dpt, q_at, gk, when=step + q_cond)
+                    for do_cond, do_at in q_side("do", h):
+                        nest.call(acc_k, st, do_at, gv, when=step + do_cond)
+                    nest.call(acc_q, dpt, k_at, gq, when=step)
+                for cond, addr in q_side("dq", h):      # dQ_i is complete after the last j
+                    nest.call(to_out, gq, addr, when=own + (j == nk - 1,) + cond)
+            last = own + (i == nq - 1,)                 # dK_j, dV_j after the last i
+            for cond, addr, _ in k_side("dk", c):
+                nest.call(to_out, gk, addr, when=last + cond)
+            for cond, addr, _ in k_side("dv", c):
+                nest.call(to_out, gv, addr, when=last + cond)
+        self.nest = nest.compile()
+
+    def run(self, arrays: dict, threads=None, **sizes):
+        args = [arrays[name] for name in self.names]
+        if sizes:
+            self.nest(*args, threads=threads, **sizes)
+        else:
+            self.nest.call(tuple(args), threads)
+
+
+@functools.lru_cache(maxsize=64)
+def backward(o: Options) -> Backward:
+    return Backward(o)
+
+
+for _cache in (backward, step_spec, rescale_spec, finish_spec, backward_step_spec, delta_spec):
+    also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too

@@ -1,0 +1,288 @@
+"""ops.attention (fused flash-style attention from BRGEMMs and equations) against
+torch.nn.functional.scaled_dot_product_attention: forward, lse and backward (torch autograd),
+masks, causal, GQA, dropout, bf16, compile reuse, memory and argument errors."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import numpy as np
+import pytest
+
+import ops
+import tpp
+from tpp.errors import ArgumentError
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+A = importlib.import_module("ops.attention")   # the module (ops.attention is the function)
+TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _inputs(b, h, hk, sq, sk, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, sk, d, generator=g).to(dtype)
+    v = torch.randn(b, hk, sk, d, generator=g).to(dtype)
+    do = torch.randn(b, h, sq, d, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _torch_ref(q, k, v, do, mask=None, causal=False, scale=None):
+    """torch's output, lse and gradients, computed in f32."""
+    qq, kk, vv = (x.detach().float().requires_grad_() for x in (q, k, v))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal,
+                                         scale=scale, enable_gqa=True)
+    out.backward(do.float())
+    # lse from the scores (small problems only)
+    rep = q.shape[1] // k.shape[1]
+    kr = kk.detach().repeat_interleave(rep, 1)
+    s = qq.detach() @ kr.transpose(-1, -2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return out.detach(), torch.logsumexp(s, -1), qq.grad, kk.grad, vv.grad
+
+
+def _close(got, want, dtype=torch.float32, scale=1.0):
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol["rtol"],
+                               atol=tol["atol"] * scale)
+
+
+def _check(q, k, v, do, mask=None, causal=False, scale=None):
+    out, lse = A.attention_forward(q, k, v, mask=mask, causal=causal, scale=scale)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
+    dq, dk, dv = A.attention_backward(do, q, k, v, out, lse, mask=mask, causal=causal,
+                                      scale=scale)
+    r_out, r_lse, r_dq, r_dk, r_dv = _torch_ref(q, k, v, do, mask, causal, scale)
+    dt = q.dtype
+    _close(out, r_out, dt)
+    finite = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    _close(lse[finite], r_lse[finite], torch.float32, 10.0)
+    for got, want in ((dq, r_dq), (dk, r_dk), (dv, r_dv)):
+        assert got.shape == want.shape and got.dtype == dt
+        _close(got, want, dt, max(1.0, float(want.abs().max())))
+
+
+# (B, H, Hk, Sq, Sk, D, causal)
+SHAPES = [
+    (1, 2, 2, 1, 1, 32, False),
+    (2, 2, 2, 7, 7, 32, True),
+    (1, 2, 2, 64, 64, 64, False),
+    (1, 2, 2, 65, 65, 64, True),
+    (2, 2, 2, 128, 128, 80, False),
+    (1, 2, 2, 128, 128, 80, True),
+    (1, 4, 2, 300, 300, 64, True),      # GQA, a bigger sequence
+    (2, 4, 1, 65, 130, 32, False),      # GQA (one kv head), Sq != Sk
+    (1, 2, 2, 130, 65, 64, True),       # causal with Sq > Sk (top-left aligned)
+    (1, 2, 2, 7, 300, 80, False),
+]
+
+
+@pytest.mark.parametrize("b,h,hk,sq,sk,d,causal", SHAPES)
+def test_forward_backward_vs_torch(b, h, hk, sq, sk, d, causal):
+    _check(*_inputs(b, h, hk, sq, sk, d, seed=sq + sk), causal=causal)
+
+
+def test_scale_and_numpy_in_numpy_out():
+    q, k, v, do = _inputs(2, 2, 2, 33, 70, 32)
+    out, lse = A.attention_forward(q.numpy(), k.numpy(), v.numpy(), scale=0.3)
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    r_out, r_lse, *_ = _torch_ref(q, k, v, do, scale=0.3)
+    _close(torch.from_numpy(out), r_out)
+    _close(torch.from_numpy(lse), r_lse)
+    grads = A.attention_backward(do.numpy(), q.numpy(), k.numpy(), v.numpy(), out, lse,
+                                 scale=0.3, need=(True, False, True))
+    assert isinstance(grads[0], np.ndarray) and grads[1] is None
+    np.testing.assert_array_equal(ops.attention(q.numpy(), k.numpy(), v.numpy(), scale=0.3),
+                                  out)
+
+
+def _masks(b, h, sq, sk):
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(b, 1, 1, sk, generator=g) > 0.3
+    keep[..., 0] = True
+    return [
+        keep,                                                      # key padding
+        torch.rand(sq, sk, generator=g) > 0.4,                     # (Sq, Sk) bool
+        torch.randn(b, h, sq, sk, generator=g),                    # full float
+        torch.randn(1, h, 1, sk, generator=g),                     # per-head key bias
+        torch.randn(b, 1, sq, 1, generator=g),                     # per-query (broadcast keys)
+    ]
+
+
+@pytest.mark.parametrize("which", range(5))
+def test_masks_vs_torch(which):
+    b, h, sq, sk = 2, 2, 65, 70
+    mask = _masks(b, h, sq, sk)[which]
+    _check(*_inputs(b, h, h, sq, sk, 32, seed=which), mask=mask)
+
+
+def test_mask_with_causal_and_gqa():
+    b, h, hk, s = 1, 4, 2, 70
+    mask = torch.rand(b, 1, 1, s, generator=torch.Generator().manual_seed(1)) > 0.2
+    mask[..., 0] = True
+    q, k, v, do = _inputs(b, h, hk, s, s, 32)
+    out, lse = A.attention_forward(q, k, v, mask=mask, causal=True)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    r_out, _, r_dq, r_dk, r_dv = _torch_ref(q, k, v, do, mask=mask & causal)
+    _close(out, r_out)
+    grads = A.attention_backward(do, q, k, v, out, lse, mask=mask, causal=True)
+    for got, want in zip(grads, (r_dq, r_dk, r_dv)):
+        _close(got, want, scale=max(1.0, float(want.abs().max())))
+
+
+def test_fully_masked_rows_give_zero():
+    """A query that sees no key: torch's CPU kernel gives a zero row and zero gradients; so
+    does the operator (lse -inf)."""
+    b, h, sq, sk = 1, 2, 65, 70
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    mask[3] = False
+    mask[64] = False
+    q, k, v, do = _inputs(b, h, h, sq, sk, 32)
+    out, lse = A.attention_forward(q, k, v, mask=mask)
+    assert torch.all(out[:, :, [3, 64]] == 0) and torch.all(lse[:, :, [3, 64]] == -math.inf)
+    _check(q, k, v, do, mask=mask)
+    additive = torch.where(mask, 0.0, -math.inf)
+    torch.testing.assert_close(A.attention(q, k, v, mask=additive), out, rtol=0, atol=0)
+
+
+def test_bf16_vs_torch():
+    for b, h, hk, sq, sk, d, causal in [(1, 2, 2, 65, 65, 64, True), (2, 4, 2, 33, 70, 32, False)]:
+        _check(*_inputs(b, h, hk, sq, sk, d, torch.bfloat16), causal=causal)
+
+
+def _keep_bits(b, h, hk, sq, sk, p, seed):
+    """The operator's dropout keep mask (B, H, Sq, Sk) for these sizes and seed: with q = 0
+    every probability is 1 / Sk, and v = the identity makes out[i, j] = keep[i, j] * 1 /
+    (Sk * (1 - p)). The bits depend on the sizes, heads and seed, not on D or the data."""
+    q = torch.zeros(b, h, sq, sk)
+    eye = torch.eye(sk).expand(b, hk, sk, sk).contiguous()
+    out = A.attention(q, torch.zeros(b, hk, sk, sk), eye, dropout_p=p, seed=seed)
+    return out * (sk * (1 - p)) > 0.5
+
+
+def test_dropout_reproducible_and_backward_consistent():
+    b, h, hk, sq, sk, d, p = 1, 4, 2, 65, 64, 32, 0.25
+    q, k, v, do = _inputs(b, h, hk, sq, sk, d)
+    o1, lse = A.attention_forward(q, k, v, dropout_p=p, seed=11)
+    o2 = A.attention(q, k, v, dropout_p=p, seed=11)
+    o3 = A.attention(q, k, v, dropout_p=p, seed=12)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    assert not torch.allclose(o1, o3)
+    keep = _keep_bits(b, h, hk, sq, sk, p, 11)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.03
+    # torch with that keep mask: softmax (undropped normaliser), dropout, @ v
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    kr, vr = kk.repeat_interleave(2, 1), vv.repeat_interleave(2, 1)
+    prob = torch.softmax(qq @ kr.transpose(-1, -2) / math.sqrt(d), -1)
+    ref = (prob * keep / (1 - p)) @ vr
+    ref.backward(do)
+    _close(o1, ref.detach())
+    _close(lse, torch.logsumexp(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(d),
+                                -1))
+    grads = A.attention_backward(do, q, k, v, o1, lse, dropout_p=p, seed=11)
+    for got, want in zip(grads, (qq.grad, kk.grad, vv.grad)):
+        _close(got, want, scale=max(1.0, float(want.abs().max())))
+
+
+def test_new_sizes_compile_nothing():
+    def both(b, sq, sk):
+        q, k, v, do = _inputs(b, 2, 2, sq, sk, 64)
+        out, lse = A.attention_forward(q, k, v, causal=True)
+        A.attention_backward(do, q, k, v, out, lse, causal=True)
+    both(1, 65, 65)
+    before = tpp.cache_info()["compiled"]
+    for b, sq, sk in [(3, 1, 1), (2, 64, 300), (1, 200, 129), (4, 7, 7)]:
+        both(b, sq, sk)
+    assert tpp.cache_info()["compiled"] == before
+
+
+def test_threads_give_the_same_result():
+    q, k, v, do = _inputs(4, 2, 2, 130, 130, 32)
+    outs = []
+    for n in (1, 2):
+        tpp.set_num_threads(n)
+        out, lse = A.attention_forward(q, k, v, causal=True)
+        outs.append((out, A.attention_backward(do, q, k, v, out, lse, causal=True)))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    for x, y in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_memory_is_linear_in_the_sequence():
+    """Forward + backward at B1 H2 S4096 D64 allocates nothing of S x S size (64 MiB per head
+    in f32): the peak of numpy's traced allocations stays under 64 MB."""
+    import tracemalloc
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 2, 4096, 64), dtype=np.float32) for _ in range(4))
+    small = [x[:, :, :100] for x in (q, k, v, do)]
+    out, lse = A.attention_forward(*small[:3])        # compile outside the measurement
+    A.attention_backward(small[3], *small[:3], out, lse)
+    tracemalloc.start()
+    try:
+        out, lse = A.attention_forward(q, k, v)
+        grads = A.attention_backward(do, q, k, v, out, lse)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert all(np.isfinite(g).all() for g in grads)
+    assert peak < 64e6, peak
+
+
+def test_bad_arguments():
+    q, k, v, do = _inputs(1, 4, 2, 8, 9, 16)
+    bad = [
+        dict(q=q[0]),                                      # 3-D
+        dict(k=k[..., :8], v=v[..., :8]),                  # head dim mismatch
+        dict(v=v[:, :, :5]),                               # v's shape differs from k's
+        dict(k=torch.randn(1, 3, 9, 16), v=torch.randn(1, 3, 9, 16)),   # 4 % 3 heads
+        dict(k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16)),   # batch mismatch
+        dict(q=q.double(), k=k.double(), v=v.double()),    # f64
+        dict(k=k.bfloat16(), v=v.bfloat16()),              # mixed dtypes
+        dict(mask=torch.ones(8, 10, dtype=torch.bool)),    # mask does not broadcast
+        dict(mask=torch.ones(2, 4, 8, 9, dtype=torch.bool)),
+        dict(mask=torch.ones(8, 9, dtype=torch.float64)),  # mask dtype
+        dict(scale=float("nan")), dict(scale="x"), dict(dropout_p=1.0),
+        dict(dropout_p=0.1, seed=1.5), dict(causal=1), dict(bogus=1),
+    ]
+    for change in bad:
+        args = dict(q=q, k=k, v=v)
+        args.update(change)
+        with pytest.raises(ArgumentError):
+            A.attention(**args)
+    out, lse = A.attention_forward(q, k, v)
+    for change in [dict(dout=do[:, :, :4]), dict(out=out.bfloat16()), dict(lse=lse[..., :4]),
+                   dict(need=(True,)), dict(dropout_p=0.1)]:    # dropout without its seed
+        args = dict(dout=do, q=q, k=k, v=v, out=out, lse=lse)
+        args.update(change)
+        with pytest.raises(ArgumentError):
+            A.attention_backward(**args)
+
+
+@pytest.mark.parametrize("mask_kind", ["key", "full"])
+def test_dropout_with_masks_and_causal(mask_kind):
+    """Dropout's bits do not depend on the mask path (per-chunk or per-query-block nests)."""
+    b, h, sq, sk, d, p = 2, 2, 70, 64, 32, 0.2
+    q, k, v, do = _inputs(b, h, h, sq, sk, d, seed=5)
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(b, 1, 1, sk, generator=g) > 0.3 if mask_kind == "key" else \
+        torch.rand(sq, sk, generator=g) > 0.3
+    mask[..., 0] = True
+    out, lse = A.attention_forward(q, k, v, mask=mask, causal=True, dropout_p=p, seed=3)
+    keep = _keep_bits(b, h, h, sq, sk, p, 3)
+    visible = mask & torch.ones(sq, sk, dtype=torch.bool).tril()
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    s = (qq @ kk.transpose(-1, -2) / math.sqrt(d)).masked_fill(~visible, -math.inf)
+    ref = (torch.softmax(s, -1) * keep / (1 - p)) @ vv
+    ref.backward(do)
+    _close(out, ref.detach())
+    grads = A.attention_backward(do, q, k, v, out, lse, mask=mask, causal=True, dropout_p=p,
+                                 seed=3)
+    for got, want in zip(grads, (qq.grad, kk.grad, vv.grad)):
+        _close(got, want, scale=max(1.0, float(want.abs().max())))
