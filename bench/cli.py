@@ -5,6 +5,7 @@
     tpp-bench gemm mlp                ops.matmul, ops.mlp_forward/backward at full sizes (~1 min)
     tpp-bench eltwise jit             named suites
     tpp-bench norm                    LayerNorm, RMSNorm, softmax (ops.norms) vs torch, 1 thread
+    tpp-bench attention               fused attention fwd, fwd+bwd (ops.attention) vs torch SDPA
     tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
     tpp-bench brgemm --dtype bf16 --csv out.csv --plot out.png   (out-brgemm.png, ...)
     tpp-bench info                    the machine, the selected target, library versions

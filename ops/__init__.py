@@ -16,7 +16,7 @@ Bad input is a tpp.TPPError subclass at every entry point: a wrong type, shape o
 out= torch tensor that requires grad while autograd records, and an unknown keyword argument
 (an ArgumentError naming the accepted ones, never a TypeError). Sizes may be numpy integers.
 """
-from .attention import attention, attention_backward, attention_forward
+from .flash_attention import attention, attention_backward, attention_forward
 from .matmul import ACTIVATIONS, Blocking, choose_blocking, linear, matmul
 from .mlp import Saved, mlp, mlp_backward, mlp_forward
 from .norms import (bias_act_dropout, bias_act_dropout_backward, layer_norm,

@@ -1,4 +1,4 @@
-"""The compiled pieces of ops.attention: the equations of one block step and the loop nests.
+"""The compiled pieces of ops.flash_attention: the equations of one block step and the loop nests.
 
 Orientation. Every score block is kept *transposed*: S^T = K_j Q_i^T, a (BK x BQ) block whose
 rows are keys and whose columns are queries. Then K_j and V_j are read straight from the
@@ -14,7 +14,7 @@ one runtime extent that loop values index: the query (or key) blocks of a head. 
 therefore *unrolled*: a nest serves a fixed number HC of consecutive (batch, head) rows of the
 flattened (B*H, S, D) inputs, with one copy of its calls per head h, guarded by `a == h` on the
 parallel head loop `a` (the head's data at the constant offset h * S * D, which is affine).
-The caller runs the nest once per chunk of HC heads (ops.attention: B * H / HC calls). Sizes:
+The caller runs the nest once per chunk of HC heads (ops.flash_attention: B * H / HC calls). Sizes:
 SQ and SK (the sequence lengths; ceil(S / 64) blocks), and for the dropout seed CH (the
 chunk's first head) with SEEDLO / SEEDHI; the per-query-block variant (2-D masks: the mask
 block of (i, j) needs two runtime indices, which no affine address has) adds I, the query

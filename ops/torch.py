@@ -1,6 +1,7 @@
 """PyTorch drop-ins running on the TPP operators: a Linear layer and an MLP, with autograd
 (LayerNorm, RMSNorm and the functional layer_norm, rms_norm and softmax come from
-ops.torch_norms and are re-exported here).
+ops.torch_norms, scaled_dot_product_attention and MultiheadAttention from ops.torch_attention;
+all are re-exported here).
 
     import ops.torch
     layer = ops.torch.Linear(768, 3072, activation="gelu")     # torch.nn.Linear's constructor
@@ -46,7 +47,8 @@ from tpp import checks
 from tpp.errors import ArgumentError, UnsupportedError
 
 __all__ = ["LinearFunction", "Linear", "MLP", "linear", "LayerNorm", "RMSNorm", "layer_norm",
-           "rms_norm", "softmax"]
+           "rms_norm", "softmax", "scaled_dot_product_attention", "MultiheadAttention",
+           "AttentionFunction"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 _TENSOR, _STRIDED = torch.Tensor, torch.strided
@@ -408,5 +410,7 @@ def _sizes(hidden_features):
     return [_size(h, f"hidden_features[{i}]") for i, h in enumerate(hidden)]
 
 
-# the norm and softmax drop-ins live in their own module (ops.torch_norms)
+# the norm, softmax and attention drop-ins live in their own modules
+from ops.torch_attention import (AttentionFunction, MultiheadAttention,  # noqa: E402
+                                 scaled_dot_product_attention)
 from ops.torch_norms import LayerNorm, RMSNorm, layer_norm, rms_norm, softmax  # noqa: E402

@@ -15,7 +15,7 @@ from tpp.errors import ArgumentError
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
-A = importlib.import_module("ops.attention")   # the module (ops.attention is the function)
+A = importlib.import_module("ops.flash_attention")
 TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
