@@ -236,3 +236,28 @@ def test_hypothesis_reduce_then_broadcast(m, n, axis, red):
     want = fn(xa.astype(np.float64), axis=axis, keepdims=True)
     np.testing.assert_allclose(res.r, want.reshape(-1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(res.out, xa - want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n", [(1, 5), (9, 33), (64, 64)])
+def test_softmax_down_the_columns_keeps_exp_and_matches_numpy(m, n):
+    """The general schedule (axis-0 reductions) keeps exp(x - max) in a block buffer between
+    its passes; the result must not change."""
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    e = eq.exp(x - eq.max(x, axis=0))
+    k = eq.compile(e / eq.sum(e, axis=0), colsum=eq.sum(e, axis=0))
+    xa = _rand(m, n) * 3
+    res = k(x=xa)
+    z = np.exp(xa - xa.max(0, keepdims=True))
+    np.testing.assert_allclose(res.out, z / z.sum(0, keepdims=True), rtol=3e-6, atol=1e-7)
+    np.testing.assert_allclose(res.colsum, z.sum(0), rtol=3e-6)
+    import re
+    import tpp_cpu.equation as gen
+    fmas = lambda: len(re.findall(r"\bvf(n?)m(add|sub)", k.dump("asm")))   # noqa: E731
+    kept = fmas()
+    saved, gen.KEPT_ELEMENTS = gen.KEPT_ELEMENTS, 0
+    try:
+        recomputed = fmas()             # the same kernel without the buffer: exp twice
+    finally:
+        gen.KEPT_ELEMENTS = saved
+    assert kept < recomputed

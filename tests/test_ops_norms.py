@@ -356,8 +356,12 @@ def test_bench_norm_suite_tiny(tmp_path, capsys, monkeypatch):
         for kind in ("fwd", "fwd+bwd"):
             assert (f"{op} {kind}", "tpp") in cases and (f"{op} {kind}", "torch") in cases
     assert ("copy", "numpy") in cases
+    for name in ("bias+gelu", "bias+gelu+dropout", "softmax"):
+        assert (f"fused {name}", "tpp") in cases and (f"fused {name}", "chain") in cases
     for r in norm:
         assert r["unit"] == "GB/s" and r["extra"]["threads"] == 1
-        if r["provider"] == "tpp":
+        if r["case"].startswith("fused"):
+            assert r["provider"] != "tpp" or set(r["ratios"]) == {"chain"}
+        elif r["provider"] == "tpp":
             assert set(r["ratios"]) == {"torch"} and r["extra"]["verified"] is True
             assert 0 < r["extra"]["copy_fraction"]

@@ -16,8 +16,8 @@ Two schedules:
            a row, the axis-1 reductions of a pass accumulate in registers as in rowwise.
 
 Values that do not vary along a row (per-row or scalar nodes) are computed once per row or once
-per kernel, not per vector. In the rowwise schedule a transcendental needed by several passes
-is computed once and kept in a row buffer for the later ones (plan_kept). Tail lanes past n enter reductions as the reduction's identity.
+per kernel, not per vector. A transcendental needed by several passes is computed once and kept
+in a stack buffer for the later ones (plan_kept). Tail lanes past n enter reductions as the reduction's identity.
 """
 from __future__ import annotations
 
@@ -172,11 +172,11 @@ class _Gen:
 
     # ------------------------------------------------------------ kept intermediates
     def plan_kept(self):
-        """Rowwise: a transcendental that several passes over a row need (softmax's
-        exp(x - max): the sum's pass and the output's) is computed once, in the first of
-        them, and kept for the others in a row-long stack buffer (in L1), instead of being
-        recomputed. Each pass is a "stage": 1..depth the reduction levels, depth+1 the
-        outputs."""
+        """A transcendental that several passes need (softmax's exp(x - max): the sum's pass
+        and the output's) is computed once, in the first of them, and kept for the others in a
+        stack buffer instead of being recomputed: a row long in the rowwise schedule (in L1),
+        the whole block in the general one (when it fits KEPT_ELEMENTS). Each pass is a
+        "stage": 1..depth the reduction levels, depth+1 the outputs."""
         stages = {}
         for level in range(1, self.depth + 2):
             if level <= self.depth:
@@ -188,12 +188,13 @@ class _Gen:
             for nd in inside:
                 if nd.op == "prim" and nd.shape == "block":
                     stages.setdefault(nd, []).append(level)
-        padded = -(-self.n // self.w) * self.w
+        self.padded = padded = -(-self.n // self.w) * self.w
+        size = padded if self.rowwise else self.m * padded
         budget = KEPT_ELEMENTS
         for nd, used in stages.items():
-            if len(used) > 1 and padded <= budget:
-                budget -= padded
-                slots = self.b.alloca(F32, size=padded)
+            if len(used) > 1 and size <= budget:
+                budget -= size
+                slots = self.b.alloca(F32, size=size)
                 self.kept[nd] = (self.b.inttoptr(self.b.ptrtoint(slots, irx.I64), irx.PTR),
                                  used[0])
 
@@ -201,13 +202,16 @@ class _Gen:
         """render() of one vector in pass `stage`, reading kept values computed by an earlier
         pass and keeping those this pass computes first."""
         chunk = dict(memo)
+        if not self.kept or stage is None:
+            return self.render(nodes, chunk, row, col, count)
+        at = col if self.rowwise else self.b.add(self.b.mul(row, i64(self.padded)), col)
         for nd, (buf, first) in self.kept.items():
-            if stage is not None and first < stage:
-                chunk[nd] = irx.load_vec(self.b, buf, col, F32, self.w)
+            if first < stage:
+                chunk[nd] = irx.load_vec(self.b, buf, at, F32, self.w)
         values = self.render(nodes, chunk, row, col, count)
         for nd, (buf, first) in self.kept.items():
             if first == stage and nd in chunk:
-                irx.store_vec(self.b, chunk[nd], buf, col)
+                irx.store_vec(self.b, chunk[nd], buf, at)
         return values
 
     # ------------------------------------------------------------ passes
@@ -302,8 +306,7 @@ class _Gen:
                        and self.level[nd] == 0 and nd.op != "const"]
         if entry_nodes:
             self.render(entry_nodes, base, None, None)
-        if self.rowwise:
-            self.plan_kept()
+        self.plan_kept()
         emit = self.emit_rowwise if self.rowwise else self.emit_general
         blocks = [(self.ptr[name], self.m, ld * dt.itemsize)
                   for name, layout, dt, ld in self.spec.outputs if layout == "block"]
@@ -361,14 +364,14 @@ class _Gen:
                         self.accumulate(per_row, memo, row, None, None)
                     along = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 1]
                     if along:       # along the row: register accumulators, then one store
-                        self.rowwise_level(row, memo, along)
+                        self.rowwise_level(row, memo, along, level)
                         for r in along:
                             lane = b.extract_element(memo.pop(r), ir.Constant(I32, 0))
                             b.store(lane, irx.element_ptr(b, self.result_ptr(r), row, F32))
                     down = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 0]
                     if down:        # down the columns: n stored accumulators
                         self.chunks(lambda col, count: self.accumulate(down, dict(memo), row,
-                                                                       col, count))
+                                                                       col, count, level))
             self.done.update(reds)
         self.store_outputs(dict(base), i64(0), i64(0), 1, ("scalar",))
         self.chunks(lambda col, count: self.store_outputs(dict(base), None, col, count, ("row",)))
@@ -377,12 +380,13 @@ class _Gen:
             self.row_values(row, memo)
             self.store_outputs(memo, row, i64(0), 1, ("col",))
             self.chunks(lambda col, count: self.store_outputs(dict(memo), row, col, count,
-                                                              ("block",), streaming))
+                                                              ("block",), streaming,
+                                                              self.depth + 1))
 
-    def accumulate(self, reds, memo, row, col, count):
+    def accumulate(self, reds, memo, row, col, count, stage=None):
         """Fold one vector of each reduction's argument into its stored result (general)."""
         b, w = self.b, self.w
-        values = self.render([r.args[0] for r in reds], memo, row, col, count)
+        values = self.chunk_render([r.args[0] for r in reds], memo, row, col, count, stage)
         for r, v in zip(reds, values):
             p = self.result_ptr(r)
             if r.shape == "row":            # axis 0 of a block: n values
