@@ -16,6 +16,7 @@ Bad input is a tpp.TPPError subclass at every entry point: a wrong type, shape o
 out= torch tensor that requires grad while autograd records, and an unknown keyword argument
 (an ArgumentError naming the accepted ones, never a TypeError). Sizes may be numpy integers.
 """
+from .conv import conv2d, conv2d_backward
 from .flash_attention import attention, attention_backward, attention_forward
 from .matmul import ACTIVATIONS, Blocking, choose_blocking, linear, matmul
 from .mlp import Saved, mlp, mlp_backward, mlp_forward
@@ -29,4 +30,4 @@ __all__ = ["matmul", "linear", "Blocking", "choose_blocking", "PackedWeight", "p
            "layer_norm", "layer_norm_forward", "layer_norm_backward", "rms_norm",
            "rms_norm_forward", "rms_norm_backward", "softmax", "softmax_backward",
            "bias_act_dropout", "bias_act_dropout_backward", "attention", "attention_forward",
-           "attention_backward"]
+           "attention_backward", "conv2d", "conv2d_backward"]

@@ -1,0 +1,719 @@
+"""2-D convolution (NCHW, like torch.nn.functional.conv2d) from BRGEMM loop nests.
+
+    y = ops.conv2d(x, w, bias, stride=2, padding=1, activation="relu")
+    dx, dw, db = ops.conv2d_backward(dy, x, w, stride=2, padding=1, need=(True, True, True))
+
+x (N, C, H, W), w (K, C/groups, R, S), bias (K,) numpy arrays or torch CPU tensors, f32, or
+bf16 (f32 accumulation, bf16 results). Any stride, dilation and groups (depthwise included),
+padding an int, a pair, a 4-tuple (top, bottom, left, right), "same" or "valid".
+
+Blocked chains (no per-layer conversion; ops.conv, not re-exported):
+    xb = ops.conv.blocked(x, padding=1)                    # a BlockedActivation, framed
+    pw = ops.conv.pack_weight(w, 1, tpp.F32)               # a BlockedWeight, packed once
+    hb = ops.conv.conv2d_blocked(xb, pw, b, padding=1, activation="relu", out_padding=1)
+    y = ops.conv.to_nchw(hb)                               # the output written in the next
+                                                           # layer's zero frame, then NCHW
+Layouts (the TPP way; every conversion is a nest of transpose / identity / vnni2 TPPs):
+    activations  [N][G*Cb][Hp][Wp][bc]      (BlockedActivation; channels zero-padded to blocks
+                                              of bc per group, the conv's zero padding stored)
+    weights      [G*Kb][Cb][R][S][bc][bk]   (f32), [..][bc/2][2*bk] VNNI-2 pairs (bf16)
+    outputs      [N][G*Kb][P][Q][bk]
+with bc, bk = min(64, channels per group) (even for bf16). The padding is physical: the
+NCHW -> blocked conversion writes the image inside a zeroed [Hp][Wp] frame, so converting is
+the one copy per call and no tap ever reads outside the image (no border special cases).
+
+Forward nest: parallel over (n, output-channel block, output row p), then blocks of output
+pixels q; for each tap (r, s) one BRGEMM of (pixels x bc) @ (bc x bk) batch-reduced over the
+input-channel blocks of the group (stride batch: stride_a = Hp*Wp*bc, stride_b = R*S*bc*bk),
+lda = stride*bc (strided pixels are read in place). The first tap writes C (beta 0), the
+others add (beta 1), and the last applies bias and activation in the BRGEMM epilogue. bf16
+accumulates the taps in an f32 tile and rounds it once (an identity TPP).
+
+Backward data: the transposed convolution, as the same forward nest on dy scattered into a
+zeroed frame (stride-1 positions spaced by the stride, a border of dilation*(R-1)), with the
+weights flipped and transposed (packed by a nest); the result is the gradient of the padded
+input, cropped by the conversion back to NCHW. (Strided layers thus do stride**2 more
+multiply-adds than needed: correct, not yet tuned.)
+Backward weight: per (output block, input block, tap) a BRGEMM dy^T @ x over the output
+pixels of one row (trans_a), batch-reduced over the output rows, summed over the batch.
+Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images.
+
+Compilation: one nest per layer shape (channels, kernel, stride, padding, dilation, groups,
+spatial size, dtype, bias, activation); the batch size N is a runtime size (tpp.size), so a
+new batch size compiles nothing. The spatial size is fixed per nest: the NCHW <-> blocked
+transposes have leading dimensions H*W, and a kernel's leading dimensions are compile-time.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import tpp
+from tpp import arrays, checks
+from tpp import dtypes as _dt
+from tpp.brgemm_spec import ACTIVATIONS
+from tpp.errors import ArgumentError
+from tpp.lru import also_clear
+
+from . import _host
+
+BLOCK = 64                  # channels per block (at most)
+PIXELS = 64                 # output pixels per BRGEMM (at most)
+_SERIAL_FLOPS = 4e6         # smaller problems run on one thread
+
+
+# ------------------------------------------------------------------ geometry
+@dataclass(frozen=True)
+class Geometry:
+    """One layer's static shape: everything a nest is compiled for (all but the batch)."""
+    c: int
+    k: int
+    h: int
+    w: int
+    r: int
+    s: int
+    groups: int
+    stride: tuple      # (sh, sw)
+    pad: tuple         # (top, bottom, left, right)
+    dilation: tuple    # (dh, dw)
+    dtype: _dt.DType
+
+    @property
+    def cg(self):
+        return self.c // self.groups
+
+    @property
+    def kg(self):
+        return self.k // self.groups
+
+    @property
+    def bc(self):
+        return block(self.cg, self.dtype)
+
+    @property
+    def bk(self):
+        return block(self.kg, self.dtype)
+
+    @property
+    def hp(self):
+        return self.h + self.pad[0] + self.pad[1]
+
+    @property
+    def wp(self):
+        return self.w + self.pad[2] + self.pad[3]
+
+    @property
+    def p(self):
+        return (self.hp - self.dilation[0] * (self.r - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def q(self):
+        return (self.wp - self.dilation[1] * (self.s - 1) - 1) // self.stride[1] + 1
+
+    def flops(self, n):
+        return 2.0 * n * self.k * self.p * self.q * self.cg * self.r * self.s
+
+
+def block(channels: int, dtype) -> int:
+    """Channels per block: min(64, channels), even for bf16 (VNNI pairs)."""
+    b = min(BLOCK, channels)
+    return b + (b % 2) if dtype == _dt.BF16 else b
+
+
+def _pair(v, what):
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ArgumentError(f"{what}: expected an int or a pair, got {v!r}")
+        vals = tuple(checks.as_int(x) for x in v)
+    else:
+        vals = (checks.as_int(v),) * 2
+    if any(x is None for x in vals) or isinstance(v, bool):
+        raise ArgumentError(f"{what}: expected an int or a pair of ints, got {v!r}")
+    return vals
+
+
+def _padding(padding, r, s, dilation, stride):
+    """(top, bottom, left, right) from an int, a pair, a 4-tuple, "same" or "valid"."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0, 0, 0)
+        if padding == "same":
+            if stride != (1, 1):
+                raise ArgumentError("padding='same' is not supported for strided convolutions")
+            th, tw = dilation[0] * (r - 1), dilation[1] * (s - 1)
+            return (th // 2, th - th // 2, tw // 2, tw - tw // 2)
+        raise ArgumentError(f"padding: expected an int, a pair, 'same' or 'valid', got "
+                            f"{padding!r}")
+    if isinstance(padding, (tuple, list)) and len(padding) == 4:
+        vals = tuple(checks.as_int(x) for x in padding)
+        if any(x is None or x < 0 for x in vals):
+            raise ArgumentError(f"padding: expected non-negative ints, got {padding!r}")
+        return vals
+    ph, pw = _pair(padding, "padding")
+    if ph < 0 or pw < 0:
+        raise ArgumentError(f"padding must be non-negative, got {padding!r}")
+    return (ph, ph, pw, pw)
+
+
+def geometry(x_shape, w_shape, dtype, stride, padding, dilation, groups) -> Geometry:
+    """The layer's Geometry after validating the shapes and hyper-parameters."""
+    if len(x_shape) != 4:
+        raise ArgumentError(f"x: expected a 4-D (N, C, H, W) array, got shape {x_shape}")
+    if len(w_shape) != 4:
+        raise ArgumentError(f"weight: expected a 4-D (K, C/groups, R, S) array, got shape "
+                            f"{w_shape}")
+    g = checks.as_int(groups)
+    if g is None or g < 1 or isinstance(groups, bool):
+        raise ArgumentError(f"groups must be a positive int, got {groups!r}")
+    stride = _pair(stride, "stride")
+    dilation = _pair(dilation, "dilation")
+    if min(stride) < 1 or min(dilation) < 1:
+        raise ArgumentError(f"stride and dilation must be >= 1, got {stride}, {dilation}")
+    _, c, h, w = x_shape
+    k, cg, r, s = w_shape
+    if min(k, cg, r, s) < 1:
+        raise ArgumentError(f"weight: empty shape {w_shape}")
+    if c != cg * g or k % g:
+        raise ArgumentError(f"x has {c} channels and the weight {w_shape} with groups={g}: "
+                            f"expected C = {cg}*groups and K divisible by groups")
+    if h < 1 or w < 1:
+        raise ArgumentError(f"x: empty image {x_shape}")
+    pad = _padding(padding, r, s, dilation, stride)
+    geo = Geometry(c, k, h, w, r, s, g, stride, pad, dilation, dtype)
+    if geo.p < 1 or geo.q < 1:
+        raise ArgumentError(f"the kernel {r}x{s} (dilation {dilation}) is larger than the "
+                            f"padded input {geo.hp}x{geo.wp}")
+    return geo
+
+
+# ------------------------------------------------------------------ layout objects
+@dataclass(frozen=True, eq=False)
+class BlockedActivation:
+    """Activations [N][groups*Cb][H + top + bottom][W + left + right][bc], channels of each
+    group zero-padded to Cb blocks of bc, the frame `pad` zero: what the conv nests read (and,
+    without a frame, what they write)."""
+    data: object
+    channels: int
+    h: int
+    w: int
+    groups: int
+    bc: int
+    pad: tuple = (0, 0, 0, 0)
+
+    @property
+    def n(self):
+        return self.data.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockedWeight:
+    """A conv weight packed for one use: [G*Kb][Cb][R][S][bc][bk] (bf16: [bc/2][2*bk])."""
+    data: object
+    shape: tuple          # the (K, C/groups, R, S) weight it packs
+    groups: int
+    transposed: bool      # the flipped, transposed weight of the data gradient
+
+
+def _threads(flops):
+    return 1 if flops < _SERIAL_FLOPS else None
+
+
+def _block_cases(inner, nb, total, bsize):
+    """[(channels, when)] for block `inner` of a group of `total` channels in nb blocks."""
+    tail = total - (nb - 1) * bsize
+    if tail == bsize:
+        return [(bsize, ())]
+    cases = [(tail, (inner == nb - 1,))]
+    if nb > 1:
+        cases.insert(0, (bsize, (inner < nb - 1,)))
+    return cases
+
+
+# ------------------------------------------------------------------ conversion nests
+@functools.lru_cache(maxsize=256)
+def _to_blocked_nest(groups, cg, h, w, bc, hb, wb, oh, ow, sh, sw, dtype):
+    """x (N, groups*cg, h, w) -> xb (N, groups*Cb, hb, wb, bc): pixel (i, j) at
+    (oh + i*sh, ow + j*sw) (xb zeroed by the caller)."""
+    n = tpp.size("N")
+    nb = -(-cg // bc)
+    nest = tpp.LoopNest("ABCD", a=n, b=groups, c=nb, d=h)
+    a, g, b, c = nest.vars
+    x = nest.tensor("x", (n, groups * cg, h, w), dtype)
+    xb = nest.tensor("xb", (n, groups * nb, hb, wb, bc), dtype)
+    for rows, when in _block_cases(b, nb, cg, bc):
+        spec = tpp.make_unary("transpose", rows, w, ldi=h * w, ldo=sw * bc, dtype_in=dtype)
+        nest.call(spec, x[a, g * cg + b * bc, c, 0], xb[a, g * nb + b, oh + c * sh, ow],
+                  when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _from_blocked_nest(groups, kg, bk, pb, qb, oh, ow, p, q, dtype):
+    """yb (N, groups*Kb, pb, qb, bk) -> y (N, groups*kg, p, q), y[.., i, j] from
+    yb[.., oh + i, ow + j]."""
+    n = tpp.size("N")
+    nb = -(-kg // bk)
+    nest = tpp.LoopNest("ABCD", a=n, b=groups, c=nb, d=p)
+    a, g, b, c = nest.vars
+    yb = nest.tensor("yb", (n, groups * nb, pb, qb, bk), dtype)
+    y = nest.tensor("y", (n, groups * kg, p, q), dtype)
+    for cols, when in _block_cases(b, nb, kg, bk):
+        spec = tpp.make_unary("transpose", q, cols, ldi=bk, ldo=p * q, dtype_in=dtype)
+        nest.call(spec, yb[a, g * nb + b, oh + c, ow], y[a, g * kg + b * bk, c, 0], when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_rows_nest(k, cg, rs, groups, kgp, cgp, backward, dtype):
+    """Step 1 of packing w (k, cg, R, S): forward, wt (groups, cgp, rs, kgp) with
+    wt[g, c, t, kk] = w[g*kg + kk, c, t] (a transpose of each output channel's row);
+    backward, wt (groups, kgp, rs, cgp) with wt[g, kk, t, c] = w[g*kg + kk, c, t]."""
+    kg = k // groups
+    nest = tpp.LoopNest("AB", a=groups, b=kg)
+    g, a = nest.vars
+    w = nest.tensor("w", (k, cg, rs), dtype)
+    if backward:
+        wt = nest.tensor("wt", (groups, kgp, rs, cgp), dtype)
+        spec = tpp.make_unary("transpose", cg, rs, ldi=rs, ldo=cgp, dtype_in=dtype)
+        nest.call(spec, w[g * kg + a], wt[g, a])
+    else:
+        wt = nest.tensor("wt", (groups, cgp, rs, kgp), dtype)
+        spec = tpp.make_unary("transpose", 1, cg * rs, ldi=cg * rs, ldo=kgp, dtype_in=dtype)
+        nest.call(spec, w[g * kg + a], wt[g, 0, 0, a])
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_blocks_nest(groups, rowsp, colsp, r, s, brow, bcol, flip, dtype):
+    """Step 2: wt (groups, rowsp, r*s, colsp) -> wb (groups*Cb, Rb, r, s, brow, bcol) with
+    block [g*Cb + cb, rb, i, j] = wt[g, rb*brow:, tap, cb*bcol:], tap (i, j) or, flipped,
+    (r-1-i, s-1-j); bf16 blocks in VNNI-2 pairs."""
+    cb, rb = colsp // bcol, rowsp // brow
+    nest = tpp.LoopNest("ABCDE", a=groups, b=cb, c=rb, d=r, e=s)
+    g, j, b, c, d = nest.vars
+    wt = nest.tensor("wt", (groups, rowsp, r * s, colsp), dtype)
+    vnni = dtype == _dt.BF16
+    shape = (groups * cb, rb, r, s) + ((brow // 2, 2 * bcol) if vnni else (brow, bcol))
+    wb = nest.tensor("wb", shape, dtype)
+    tap = ((r - 1 - c) * s + (s - 1 - d)) if flip else (c * s + d)
+    op = "vnni2" if vnni else "identity"
+    spec = tpp.make_unary(op, brow, bcol, ldi=r * s * colsp, dtype_in=dtype)
+    nest.call(spec, wt[g, b * brow, tap, j * bcol], wb[g * cb + j, b, c, d])
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _vector_nest(groups, length, lengthp, dtype_in, dtype_out, pad):
+    """pad: v (groups*length,) -> vp (groups*lengthp,) (zeroed by the caller), converting;
+    else the inverse (vp -> v)."""
+    nest = tpp.LoopNest("A", a=groups)
+    a, = nest.vars
+    src = nest.tensor("src", (groups * (length if pad else lengthp),), dtype_in)
+    dst = nest.tensor("dst", (groups * (lengthp if pad else length),), dtype_out)
+    spec = tpp.make_unary("identity", 1, length, dtype_in=dtype_in, dtype_out=dtype_out)
+    if pad:
+        nest.call(spec, src[a * length], dst[a * lengthp])
+    else:
+        nest.call(spec, src[a * lengthp], dst[a * length])
+    return nest.compile()
+
+
+# ------------------------------------------------------------------ the convolution nest
+@functools.lru_cache(maxsize=256)
+def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype,
+               has_bias, activation, frame=(0, 0, 0, 0)):
+    """yb (N, groups*kb, p, q, bk) = act(conv(xb (N, groups*cb, hp, wp, bc), wb) + bias),
+    written inside a frame (top, bottom, left, right) of yb that the nest leaves alone."""
+    n = tpp.size("N")
+    vnni = dtype == _dt.BF16
+    bq = min(q, PIXELS)
+    full, tail = divmod(q, bq)
+    nest = tpp.LoopNest("ABCDe", a=n, b=groups, c=kb, d=p, e=full + (tail > 0))
+    a, g, k, c, d = nest.vars
+    b = g * kb + k
+    xb = nest.tensor("xb", (n, groups * cb, hp, wp, bc), dtype)
+    wshape = (groups * kb, cb, r, s) + ((bc // 2, 2 * bk) if vnni else (bc, bk))
+    wb = nest.tensor("wb", wshape, dtype)
+    acc_dt = _dt.F32
+    bias_t = nest.tensor("bias", (groups * kb * bk,), acc_dt) if has_bias else None
+    ft, fb, fl, fr = frame
+    yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
+    acc = nest.tensor("acc", (n, groups * kb, p, q, bk), acc_dt) if vnni else yb
+    ah, aw = (0, 0) if vnni else (ft, fl)
+    cases = ([(bq, (d < full,) if tail else ())] if full else []) + \
+        ([(tail, (d == full,))] if tail else [])
+    taps = [(i, j) for i in range(r) for j in range(s)]
+    x_block = g * cb
+    for pixels, when in cases:
+        for t, (i, j) in enumerate(taps):
+            last = t == len(taps) - 1
+            spec = tpp.make_brgemm(
+                pixels, bk, bc, lda=sw * bc, ldb=2 * bk if vnni else bk, ldc=bk,
+                dtype_a=dtype, dtype_b=dtype, dtype_c=acc_dt, beta=0 if t == 0 else 1,
+                vnni_b=vnni, bias="row" if (has_bias and last) else None,
+                activation=activation if last else None)
+            nest.call(spec, xb[a, x_block, c * sh + i * dh, d * bq * sw + j * dw],
+                      wb[b, 0, i, j], acc[a, b, ah + c, aw + d * bq],
+                      bias=bias_t[b * bk] if (has_bias and last) else None,
+                      count=cb, stride_a=hp * wp * bc, stride_b=r * s * bc * bk, when=when)
+        if vnni:
+            spec = tpp.make_unary("identity", pixels, bk, dtype_in=acc_dt, dtype_out=dtype)
+            nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _dw_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype):
+    """dwt (groups, kb*bk, r*s, cb*bc) f32 += sum over n, p, q of dy^T x (dwt zeroed)."""
+    n = tpp.size("N")
+    nest = tpp.LoopNest("ABCDEf", a=groups, b=kb, c=cb, d=r, e=s, f=n)
+    g, k, b, c, d, e = nest.vars
+    xb = nest.tensor("xb", (n, groups * cb, hp, wp, bc), dtype)
+    dyb = nest.tensor("dyb", (n, groups * kb, p, q, bk), dtype)
+    dwt = nest.tensor("dwt", (groups, kb * bk, r * s, cb * bc), _dt.F32)
+    spec = tpp.make_brgemm(bk, bc, q, lda=bk, ldb=sw * bc, ldc=r * s * cb * bc,
+                           dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32, beta=1,
+                           trans_a=True)
+    nest.call(spec, dyb[e, g * kb + k, 0, 0], xb[e, g * cb + b, c * dh, d * dw],
+              dwt[g, k * bk, c * s + d, b * bc],
+              count=p, stride_a=q * bk, stride_b=sh * wp * bc)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _dw_out_nest(groups, kg, cg, kgp, cgp, rs, dtype):
+    """dw (groups*kg, cg, rs) from dwt (groups, kgp, rs, cgp) f32 (rounded for bf16)."""
+    nest = tpp.LoopNest("AB", a=groups, b=kg)
+    a, b = nest.vars
+    dwt = nest.tensor("dwt", (groups, kgp, rs, cgp), _dt.F32)
+    dw = nest.tensor("dw", (groups * kg, cg, rs), dtype)
+    src = dwt
+    if dtype != _dt.F32:
+        src = nest.tensor("tmp", (groups, kgp, rs, cgp), dtype)
+        nest.call(tpp.make_unary("identity", rs, cgp, dtype_in=_dt.F32, dtype_out=dtype),
+                  dwt[a, b], src[a, b])
+    spec = tpp.make_unary("transpose", rs, cg, ldi=cgp, ldo=rs, dtype_in=dtype)
+    nest.call(spec, src[a, b], dw[a * kg + b])
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _db_nest(kbt, bk, pq, dtype):
+    """db (kbt*bk,) f32 = sum over n and pixels of dyb (N, kbt, pq, bk)."""
+    n = tpp.size("N")
+    nest = tpp.LoopNest("A", a=kbt)
+    a, = nest.vars
+    ones = nest.tensor("ones", (pq,), dtype)
+    dyb = nest.tensor("dyb", (n, kbt, pq, bk), dtype)
+    db = nest.tensor("db", (kbt * bk,), _dt.F32)
+    spec = tpp.make_brgemm(1, bk, pq, lda=pq, ldb=bk, ldc=bk, dtype_a=dtype, dtype_b=dtype,
+                           dtype_c=_dt.F32)
+    nest.call(spec, ones[0], dyb[0, a], db[a * bk], count=n, stride_a=0,
+              stride_b=kbt * pq * bk)
+    return nest.compile()
+
+
+for _nest_cache in (_to_blocked_nest, _from_blocked_nest, _weight_rows_nest,
+                    _weight_blocks_nest, _vector_nest, _conv_nest, _dw_nest, _dw_out_nest,
+                    _db_nest):
+    also_clear(_nest_cache.cache_clear)     # tpp.clear_caches() empties them too
+
+
+@functools.lru_cache(maxsize=None)
+def _ones(n, dtype):
+    ones = _host.zeros((n,), dtype, None)
+    ones[:] = 1
+    ones.flags.writeable = False
+    return ones
+
+
+# ------------------------------------------------------------------ public conversions
+def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> BlockedActivation:
+    """x (N, C, H, W) as a BlockedActivation for geo (its padding as the frame). `scatter`
+    spaces the pixels (the transposed convolution's zero insertion); frame (hb, wb) and origin
+    (oh, ow) override the padded frame."""
+    n = x.shape[0]
+    bc = geo.bc
+    nb = -(-geo.cg // bc)
+    hb, wb = frame or (geo.hp, geo.wp)
+    oh, ow = origin or (geo.pad[0], geo.pad[2])
+    xb = _host.zeros((n, geo.groups * nb, hb, wb, bc), geo.dtype, x)
+    if n:
+        nest = _to_blocked_nest(geo.groups, geo.cg, geo.h, geo.w, bc, hb, wb, oh, ow,
+                                scatter[0], scatter[1], geo.dtype)
+        nest(x, xb, threads=_threads(64 * _size(xb)))
+    return BlockedActivation(xb, geo.c, geo.h, geo.w, geo.groups, bc,
+                             (oh, hb - oh - geo.h, ow, wb - ow - geo.w))
+
+
+def from_blocked(yb, channels, groups, bk, p, q, out, origin=(0, 0)):
+    """out (N, channels, p, q) from the blocked yb (N, groups*Kb, pb, qb, bk)."""
+    n = yb.shape[0]
+    if n:
+        nest = _from_blocked_nest(groups, channels // groups, bk, yb.shape[2], yb.shape[3],
+                                  origin[0], origin[1], p, q, _host.dtype_of(yb, "yb"))
+        nest(yb, out, threads=_threads(64 * n * channels * p * q))
+    return out
+
+
+def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
+    """w (K, C/groups, R, S) packed for the forward nest ([G*Kb][Cb][R][S][bc][bk]) or, with
+    transposed=True, flipped and transposed for the data gradient ([G*Cb][Kb][R][S][bk][bc])."""
+    k, cg, r, s = w.shape
+    kg = k // groups
+    bc, bk = block(cg, dtype), block(kg, dtype)
+    cgp, kgp = -(-cg // bc) * bc, -(-kg // bk) * bk
+    rs = r * s
+    w3 = _host.contiguous(w).reshape(k, cg, rs)
+    if transposed:
+        wt = _host.zeros((groups, kgp, rs, cgp), dtype, w)
+        _weight_rows_nest(k, cg, rs, groups, kgp, cgp, True, dtype)(w3, wt, threads=1)
+        nest = _weight_blocks_nest(groups, kgp, cgp, r, s, bk, bc, True, dtype)
+        rows, cols = kgp, cgp
+    else:
+        wt = _host.zeros((groups, cgp, rs, kgp), dtype, w)
+        _weight_rows_nest(k, cg, rs, groups, kgp, cgp, False, dtype)(w3, wt, threads=1)
+        nest = _weight_blocks_nest(groups, cgp, kgp, r, s, bc, bk, False, dtype)
+        rows, cols = cgp, kgp
+    brow, bcol = (bk, bc) if transposed else (bc, bk)
+    shape = (groups * (cols // bcol), rows // brow, r, s) + \
+        ((brow // 2, 2 * bcol) if dtype == _dt.BF16 else (brow, bcol))
+    wb = _host.empty(shape, dtype, w)
+    nest(wt, wb, threads=1)
+    return BlockedWeight(wb, (k, cg, r, s), groups, transposed)
+
+
+def _pad_bias(bias, groups, kg, bk, like):
+    kgp = -(-kg // bk) * bk
+    bp = _host.zeros((groups * kgp,), _dt.F32, like)
+    dt = _host.dtype_of(bias, "bias")
+    _vector_nest(groups, kg, kgp, dt, _dt.F32, True)(_host.contiguous(bias), bp, threads=1)
+    return bp
+
+
+# ------------------------------------------------------------------ checks
+def _inputs(x, w, bias, name_x="x"):
+    x = _host.host(x, name_x)
+    w = _host.host(w, "weight")
+    dt = _host.dtype_of(x, name_x)
+    if dt not in (_dt.F32, _dt.BF16):
+        raise ArgumentError(f"{name_x}: conv2d takes f32 or bf16 data, got {dt}")
+    if _host.dtype_of(w, "weight") != dt:
+        raise ArgumentError(f"the weight is {w.dtype} but {name_x} is {x.dtype}; use one dtype")
+    if arrays.is_torch(x) != arrays.is_torch(w):
+        raise ArgumentError(f"{name_x} and the weight must both be numpy arrays or both torch "
+                            f"tensors")
+    if bias is not None:
+        bias = _host.host(bias, "bias")
+        if _host.dtype_of(bias, "bias") not in (_dt.F32, dt):
+            raise ArgumentError(f"bias: expected {dt} or f32, got {bias.dtype}")
+    return _host.contiguous(x), _host.contiguous(w), bias
+
+
+def _size(a):
+    return a.numel() if arrays.is_torch(a) else a.size
+
+
+# ------------------------------------------------------------------ forward
+def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
+           activation=None, **unknown):
+    """act(conv2d(x, weight) + bias) like torch.nn.functional.conv2d: x (N, C, H, W), weight
+    (K, C/groups, R, S), bias (K,) or None; returns (N, K, P, Q) of x's kind and dtype."""
+    if unknown:
+        _host.reject_unknown(conv2d, unknown)
+    x, weight, bias = _inputs(x, weight, bias)
+    if activation not in ACTIVATIONS:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    dt = _host.dtype_of(x, "x")
+    geo = geometry(tuple(x.shape), tuple(weight.shape), dt, stride, padding, dilation, groups)
+    if bias is not None and tuple(bias.shape) != (geo.k,):
+        raise ArgumentError(f"bias: expected shape ({geo.k},), got {tuple(bias.shape)}")
+    xb = to_blocked(x, geo)
+    wb = pack_weight(weight, geo.groups, dt)
+    return _forward(xb.data, wb.data, bias, geo, activation, x)
+
+
+def _forward(xb, wb, bias, geo, activation, like, out=None, frame=None):
+    """y (N, K, P, Q) of like's kind; with frame (top, bottom, left, right), the blocked
+    output (N, G*Kb, P + top + bottom, Q + left + right, bk) with a zero frame instead."""
+    n = xb.shape[0]
+    bc, bk = geo.bc, geo.bk
+    cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
+    p, q = geo.p, geo.q
+    ft, fb, fl, fr = frame or (0, 0, 0, 0)
+    yshape = (n, geo.groups * kb, p + ft + fb, q + fl + fr, bk)
+    if frame is not None:
+        y = yb = _host.zeros(yshape, geo.dtype, like)
+    else:
+        y = out if out is not None else _host.empty((n, geo.k, p, q), geo.dtype, like)
+        yb = _host.empty(yshape, geo.dtype, like)
+    if n == 0:
+        return y
+    nest = _conv_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s,
+                      geo.stride[0], geo.stride[1], geo.dilation[0], geo.dilation[1], p, q,
+                      geo.dtype, bias is not None, activation, tuple(frame or (0, 0, 0, 0)))
+    args = [xb, wb]
+    if bias is not None:
+        args.append(_pad_bias(bias, geo.groups, geo.kg, bk, like))
+    args.append(yb)
+    if geo.dtype == _dt.BF16:
+        args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
+    nest(*args, threads=_threads(geo.flops(n)))
+    if frame is not None:
+        return y
+    return from_blocked(yb, geo.k, geo.groups, bk, p, q, y)
+
+
+# ------------------------------------------------------------------ backward
+def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
+                    need=(True, True, True), **unknown):
+    """Gradients of y = conv2d(x, weight, bias) (no activation) given dy (N, K, P, Q):
+    (dx, dweight, dbias), each None where `need` says so. dbias is f32 for f32 data and
+    bf16 for bf16 (like torch), summed in f32."""
+    if unknown:
+        _host.reject_unknown(conv2d_backward, unknown)
+    x, weight, _ = _inputs(x, weight, None)
+    dy = _host.contiguous(_host.host(dy, "dy"))
+    dt = _host.dtype_of(x, "x")
+    if _host.dtype_of(dy, "dy") != dt:
+        raise ArgumentError(f"dy is {dy.dtype} but x is {x.dtype}; use one dtype")
+    if not (isinstance(need, (tuple, list)) and len(need) == 3):
+        raise ArgumentError(f"need: expected three booleans (dx, dweight, dbias), got {need!r}")
+    geo = geometry(tuple(x.shape), tuple(weight.shape), dt, stride, padding, dilation, groups)
+    n = x.shape[0]
+    if tuple(dy.shape) != (n, geo.k, geo.p, geo.q):
+        raise ArgumentError(f"dy: expected shape {(n, geo.k, geo.p, geo.q)}, got "
+                            f"{tuple(dy.shape)}")
+    need_dx, need_dw, need_db = (bool(v) for v in need)
+    dx = dw = db = None
+    # dy in the output layout (its blocks are the data gradient's input blocks)
+    dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
+                    (0, 0, 0, 0), geo.dilation, dt)
+    if need_dx:
+        # the gradient of the padded input: dy scattered (stride), framed by dil*(R-1)
+        eh, ew = geo.dilation[0] * (geo.r - 1), geo.dilation[1] * (geo.s - 1)
+        frame = (geo.hp + eh, geo.wp + ew)
+        dyb = to_blocked(dy, dgeo, scatter=geo.stride, frame=frame, origin=(eh, ew))
+        tgeo = Geometry(geo.k, geo.c, frame[0], frame[1], geo.r, geo.s, geo.groups, (1, 1),
+                        (0, 0, 0, 0), geo.dilation, dt)
+        # tgeo.p, tgeo.q == geo.hp, geo.wp
+        wbt = pack_weight(weight, geo.groups, dt, transposed=True)
+        dxp = _conv_padded(dyb.data, wbt.data, tgeo, geo, x)
+        dx = _host.empty(tuple(x.shape), dt, x)
+        from_blocked(dxp, geo.c, geo.groups, geo.bc, geo.h, geo.w, dx,
+                     origin=(geo.pad[0], geo.pad[2]))
+    if need_dw or need_db:
+        dyb0 = to_blocked(dy, dgeo).data
+    if need_dw:
+        xb = to_blocked(x, geo).data
+        bc, bk = geo.bc, geo.bk
+        cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
+        dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
+        if n:
+            _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0],
+                     geo.stride[1], geo.dilation[0], geo.dilation[1], geo.p, geo.q,
+                     dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
+        dw = _host.empty(tuple(weight.shape), dt, x)
+        _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
+            *([dwt, dw.reshape(geo.k, geo.cg, geo.r * geo.s)] +
+              ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])), threads=1)
+    if need_db:
+        bk = geo.bk
+        kbt = geo.groups * -(-geo.kg // bk)
+        dbp = _host.zeros((kbt * bk,), _dt.F32, x)
+        pq = geo.p * geo.q
+        if n:
+            _db_nest(kbt, bk, pq, dt)(_ones(pq, dt), dyb0.reshape(n, kbt, pq, bk), dbp,
+                                      threads=_threads(2.0 * _size(dy)))
+        db = _host.empty((geo.k,), dt, x)
+        _vector_nest(geo.groups, geo.kg, kbt // geo.groups * bk, _dt.F32, dt, False)(
+            dbp, db, threads=1)
+    return dx, dw, db
+
+
+def _conv_padded(dyb, wbt, tgeo, geo, like):
+    """The blocked gradient of the padded input (N, G*Cb, hp, wp, bc)."""
+    n = dyb.shape[0]
+    bc_in, bk_out = tgeo.bc, tgeo.bk      # dy's blocks (= geo.bk), dx's blocks (= geo.bc)
+    cb, kb = -(-tgeo.cg // bc_in), -(-tgeo.kg // bk_out)
+    yb = _host.empty((n, geo.groups * kb, tgeo.p, tgeo.q, bk_out), geo.dtype, like)
+    if n == 0:
+        return yb
+    nest = _conv_nest(geo.groups, cb, kb, bc_in, bk_out, tgeo.hp, tgeo.wp, geo.r, geo.s, 1, 1,
+                      geo.dilation[0], geo.dilation[1], tgeo.p, tgeo.q, geo.dtype, False, None)
+    args = [dyb, wbt, yb]
+    if geo.dtype == _dt.BF16:
+        args.append(_host.empty(tuple(yb.shape), _dt.F32, like))
+    nest(*args, threads=_threads(tgeo.flops(n)))
+    return yb
+
+
+# ------------------------------------------------------------------ blocked chains
+def conv2d_blocked(xb, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
+                   activation=None, out_padding=0, **unknown) -> BlockedActivation:
+    """conv2d on a BlockedActivation (from to_blocked, or a previous conv2d_blocked) whose
+    stored frame is this layer's padding; weight (K, C/groups, R, S) or a BlockedWeight from
+    pack_weight (packed once, reused). Returns the output blocked, inside a zero frame of
+    out_padding (the next layer's padding): a network keeps its activations blocked, and
+    converts with to_nchw at the end. No copy per layer."""
+    if unknown:
+        _host.reject_unknown(conv2d_blocked, unknown)
+    if not isinstance(xb, BlockedActivation):
+        raise ArgumentError(f"xb: expected an ops.conv.BlockedActivation, got "
+                            f"{type(xb).__name__}")
+    if isinstance(weight, BlockedWeight):
+        packed, wshape = weight, weight.shape
+        if weight.transposed or weight.groups != groups:
+            raise ArgumentError("weight: a BlockedWeight packed for another use")
+        dt = _host.dtype_of(weight.data, "weight")
+    else:
+        weight = _host.contiguous(_host.host(weight, "weight"))
+        wshape, dt, packed = tuple(weight.shape), _host.dtype_of(weight, "weight"), None
+    if _host.dtype_of(xb.data, "xb") != dt or dt not in (_dt.F32, _dt.BF16):
+        raise ArgumentError(f"xb is {xb.data.dtype} and the weight {dt}: one dtype, f32 or "
+                            f"bf16")
+    if activation not in ACTIVATIONS:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    geo = geometry((xb.n, xb.channels, xb.h, xb.w), wshape, dt, stride, padding, dilation,
+                   groups)
+    if geo.pad != tuple(xb.pad) or geo.bc != xb.bc or xb.groups != geo.groups:
+        raise ArgumentError(f"xb is stored with the frame {xb.pad}, blocks of {xb.bc} and "
+                            f"groups={xb.groups}; this layer reads {geo.pad}, {geo.bc}, "
+                            f"{geo.groups} (convert with to_blocked)")
+    if bias is not None:
+        bias = _host.host(bias, "bias")
+        if tuple(bias.shape) != (geo.k,):
+            raise ArgumentError(f"bias: expected shape ({geo.k},), got {tuple(bias.shape)}")
+    if packed is None:
+        packed = pack_weight(weight, geo.groups, dt)
+    frame = _padding(out_padding, 1, 1, (1, 1), (1, 1))
+    data = _forward(xb.data, packed.data, bias, geo, activation, xb.data, frame=frame)
+    return BlockedActivation(data, geo.k, geo.p, geo.q, geo.groups, geo.bk, frame)
+
+
+def to_nchw(xb: BlockedActivation):
+    """The (N, C, H, W) array a BlockedActivation holds (its frame and padded channels
+    dropped)."""
+    if not isinstance(xb, BlockedActivation):
+        raise ArgumentError(f"expected an ops.conv.BlockedActivation, got {type(xb).__name__}")
+    dt = _host.dtype_of(xb.data, "xb")
+    out = _host.empty((xb.n, xb.channels, xb.h, xb.w), dt, xb.data)
+    return from_blocked(xb.data, xb.channels, xb.groups, xb.bc, xb.h, xb.w, out,
+                        origin=(xb.pad[0], xb.pad[2]))
+
+
+def blocked(x, *, padding=0, groups=1, **unknown) -> BlockedActivation:
+    """x (N, C, H, W) as a BlockedActivation framed for a layer of this padding (an int, a
+    pair or a 4-tuple) and groups."""
+    if unknown:
+        _host.reject_unknown(blocked, unknown)
+    x = _host.contiguous(_host.host(x, "x"))
+    dt = _host.dtype_of(x, "x")
+    if dt not in (_dt.F32, _dt.BF16):
+        raise ArgumentError(f"x: f32 or bf16, got {dt}")
+    shape = tuple(x.shape)
+    if len(shape) != 4 or shape[1] % max(1, checks.as_int(groups) or 1):
+        raise ArgumentError(f"x: expected (N, C, H, W) with C divisible by groups, got {shape}")
+    c = shape[1]
+    geo = geometry(shape, (c, c // groups, 1, 1), dt, 1, padding, 1, groups)
+    return to_blocked(x, geo)

@@ -1,0 +1,96 @@
+"""PyTorch drop-ins for 2-D convolution on the TPP operators (ops.conv).
+
+    import ops.torch_conv as tc             # (ops.torch may re-export these names)
+    conv = tc.Conv2d(64, 64, 3, padding=1)  # torch.nn.Conv2d's constructor, parameters, init,
+    y = conv(x)                             #   state_dict and repr
+    y = tc.conv2d(x, w, b, stride=2, padding=1)   # torch.nn.functional.conv2d's signature
+
+Conv2d subclasses torch.nn.Conv2d and replaces only `forward`. Forward and backward run
+ops.conv's BRGEMM nests through an autograd.Function (the forward keeps x and the weight; the
+backward computes only the gradients autograd asks for: data, weight, bias).
+
+Served by torch's own implementation instead (same results, torch's autograd): tensors not on
+the CPU, dtypes other than float32 / bfloat16 (float64, float16, ...) or mixed dtypes, empty
+tensors, inputs that are not 3-D or 4-D, padding_mode other than "zeros" (the module), and a
+backward that must itself be differentiable (create_graph=True: the gradients are recomputed
+with torch's operators). Every groups value is served (groups 1, grouped and depthwise; the
+depthwise case runs 1-channel blocks, correct but not yet fast). Invalid hyper-parameters
+raise tpp.errors.ArgumentError (a ValueError).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import conv as _c
+
+__all__ = ["Conv2d", "conv2d", "Conv2dFunction"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+F = torch.nn.functional
+
+
+def _servable(x, weight, bias) -> bool:
+    if x.dim() not in (3, 4) or weight.dim() != 4 or x.numel() == 0:
+        return False
+    for t in (x, weight, bias):
+        if t is not None and (not t.is_cpu or t.dtype != x.dtype or t.dtype not in _DTYPES):
+            return False
+    return True
+
+
+def _d(t):
+    return None if t is None else t.detach()
+
+
+class Conv2dFunction(torch.autograd.Function):
+    """Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups), x 4-D."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
+        y = _c.conv2d(x.detach(), weight.detach(), _d(bias), stride=stride, padding=padding,
+                      dilation=dilation, groups=groups)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.hyper = (stride, padding, dilation, groups)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.hyper
+        need = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():     # create_graph=True: differentiable torch ops
+            return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy), None, None, None, None)
+        dx, dw, db = _c.conv2d_backward(
+            dy.contiguous(), x.detach(), weight.detach(), stride=stride, padding=padding,
+            dilation=dilation, groups=groups,
+            need=(need[0], need[1], bool(need[2]) and bias is not None))
+        return dx, dw, db, None, None, None, None
+
+
+def _torch_grads(x, weight, bias, hyper, need, dy):
+    inputs = (x, weight, bias)
+    wanted = [t for t, n in zip(inputs, need) if n and t is not None]
+    with torch.enable_grad():
+        y = F.conv2d(x, weight, bias, *hyper)
+        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
+    return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need))
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """torch.nn.functional.conv2d on the TPP nests (see the module docstring)."""
+    if not _servable(input, weight, bias):
+        return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    squeeze = input.dim() == 3
+    x = input.unsqueeze(0) if squeeze else input
+    y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups)
+    return y.squeeze(0) if squeeze else y
+
+
+class Conv2d(torch.nn.Conv2d):
+    """torch.nn.Conv2d whose forward runs ops.conv (padding_mode "zeros"; others: torch)."""
+
+    def forward(self, input):
+        if self.padding_mode != "zeros":
+            return super().forward(input)
+        return conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation,
+                      self.groups)

@@ -1,0 +1,192 @@
+"""ops.conv (conv2d forward / backward from BRGEMM nests) and the ops.torch_conv drop-ins,
+against torch.nn.functional.conv2d and its autograd."""
+import numpy as np
+import pytest
+
+import ops
+import tpp
+from tpp.errors import ArgumentError
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+tc = pytest.importorskip("ops.torch_conv")
+
+# (N, C, K, H, W, (R, S), stride, padding, dilation, groups)
+CASES = [
+    (2, 64, 32, 7, 7, (1, 1), 1, 0, 1, 1),        # ResNet-50 1x1 (scaled down)
+    (2, 32, 64, 8, 8, (1, 1), 2, 0, 1, 1),        # 1x1 stride-2 projection
+    (2, 64, 64, 8, 8, (3, 3), 1, 1, 1, 1),        # 3x3
+    (2, 32, 48, 9, 9, (3, 3), 2, 1, 1, 1),        # 3x3 stride 2
+    (1, 3, 16, 20, 20, (7, 7), 2, 3, 1, 1),       # the 7x7 stride-2 stem on a small image
+    (2, 5, 7, 1, 1, (3, 3), 1, 1, 1, 1),          # 1x1 image, odd channels
+    (1, 3, 5, 17, 13, (3, 3), 1, 0, 1, 1),        # odd sizes, no padding
+    (2, 70, 66, 5, 3, (3, 1), 1, (1, 0), 1, 1),   # channels past one block, not multiples
+    (1, 4, 6, 9, 9, (3, 3), 1, 2, 2, 1),          # dilation
+    (1, 3, 4, 11, 10, (2, 3), 3, 1, (2, 1), 1),   # stride 3, rectangular kernel, dilation
+    (2, 8, 8, 7, 7, (3, 3), 1, 1, 1, 8),          # depthwise
+    (1, 4, 8, 6, 5, (3, 3), 2, 1, 1, 4),          # depthwise, channel multiplier 2
+    (2, 6, 4, 5, 6, (3, 3), 1, 1, 1, 2),          # grouped
+    (1, 3, 4, 6, 7, (4, 2), 1, "same", 1, 1),     # "same", even kernel (asymmetric)
+    (1, 2, 3, 5, 5, (1, 1), 1, 1, 1, 1),          # padding wider than the kernel reach
+]
+
+
+def _ids(case):
+    n, c, k, h, w, (r, s), st, p, d, g = case
+    return f"n{n}c{c}k{k}_{h}x{w}_{r}x{s}_s{st}_p{p}_d{d}_g{g}".replace(" ", "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_backward_f32(case):
+    n, c, k, h, w, (r, s), stride, padding, dilation, groups = case
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    x = torch.randn(n, c, h, w, generator=g)
+    wt = torch.randn(k, c // groups, r, s, generator=g) * 0.3
+    b = torch.randn(k, generator=g)
+    args = (stride, padding, dilation, groups)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, wt, b))
+    ref = F.conv2d(xr, wr, br, *args)
+    xo, wo, bo = (t.clone().requires_grad_() for t in (x, wt, b))
+    y = tc.conv2d(xo, wo, bo, *args)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    dy = torch.randn(ref.shape, generator=g)
+    ref.backward(dy)
+    y.backward(dy)
+    for mine, theirs in ((xo, xr), (wo, wr), (bo, br)):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", [
+    (2, 6, 10, 6, 7, (3, 3), 1, 1, 1, 1),
+    (1, 20, 8, 9, 8, (3, 3), 2, 1, 1, 1),
+    (1, 3, 8, 12, 12, (7, 7), 2, 3, 1, 1),
+], ids=_ids)
+def test_bf16(case):
+    n, c, k, h, w, (r, s), stride, padding, dilation, groups = case
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, c, h, w, generator=g).bfloat16()
+    wt = (torch.randn(k, c // groups, r, s, generator=g) * 0.3).bfloat16()
+    b = torch.randn(k, generator=g).bfloat16()
+    args = (stride, padding, dilation, groups)
+    ref = F.conv2d(x.float(), wt.float(), b.float(), *args)
+    y = ops.conv2d(x, wt, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=5e-2, rtol=2e-2)
+    dy = torch.randn(ref.shape, generator=g).bfloat16()
+    xr, wr, br = (t.float().requires_grad_() for t in (x, wt, b))
+    F.conv2d(xr, wr, br, *args).backward(dy.float())
+    dx, dw, db = ops.conv2d_backward(dy, x, wt, stride=stride, padding=padding,
+                                     dilation=dilation, groups=groups)
+    assert dx.dtype == dw.dtype == db.dtype == torch.bfloat16
+    for mine, theirs in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        scale = theirs.abs().max().item()
+        torch.testing.assert_close(mine.float(), theirs, atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_numpy_bias_activation(activation):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 5, 6, 6), np.float32)
+    w = rng.standard_normal((9, 5, 3, 3), np.float32) * 0.3
+    b = rng.standard_normal(9).astype(np.float32)
+    y = ops.conv2d(x, w, b, stride=1, padding=1, activation=activation)
+    assert isinstance(y, np.ndarray) and y.shape == (2, 9, 6, 6)
+    ref = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), padding=1)
+    ref = torch.relu(ref) if activation == "relu" else F.gelu(ref)
+    torch.testing.assert_close(torch.from_numpy(y), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_need_and_new_batch_compiles_nothing():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((8, 4, 3, 3), np.float32)
+    kw = dict(stride=2, padding=1)
+    x = rng.standard_normal((1, 4, 7, 7), np.float32)
+    y = ops.conv2d(x, w, **kw)
+    ops.conv2d_backward(y, x, w, **kw)
+    before = tpp.cache_info()["compiled"]
+    for n in (3, 0):
+        x = rng.standard_normal((n, 4, 7, 7), np.float32)
+        y = ops.conv2d(x, w, **kw)
+        assert y.shape == (n, 8, 4, 4)
+        dx, dw, db = ops.conv2d_backward(y, x, w, **kw)
+        assert dx.shape == x.shape and dw.shape == w.shape and db.shape == (8,)
+        if n == 0:
+            assert not dw.any() and not db.any()
+    assert tpp.cache_info()["compiled"] == before
+    dx, dw, db = ops.conv2d_backward(y, x, w, need=(False, True, False), **kw)
+    assert dx is None and db is None and dw is not None
+
+
+def test_module_drop_in():
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(6, 10, 3, stride=2, padding=1)
+    mine = tc.Conv2d(6, 10, 3, stride=2, padding=1)
+    mine.load_state_dict(ref.state_dict())
+    assert set(mine.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 6, 9, 9)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yo = ref(xr), mine(xo)
+    torch.testing.assert_close(yo, yr, atol=1e-4, rtol=1e-4)
+    yr.sum().backward()
+    yo.sum().backward()
+    torch.testing.assert_close(xo.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mine.weight.grad, ref.weight.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mine.bias.grad, ref.bias.grad, atol=1e-4, rtol=1e-4)
+    # unbatched input; torch's own for another padding mode and for float64
+    torch.testing.assert_close(mine(x[0]), ref(x[0]), atol=1e-4, rtol=1e-4)
+    reflect = tc.Conv2d(6, 4, 3, padding=1, padding_mode="reflect", bias=False)
+    ref2 = torch.nn.Conv2d(6, 4, 3, padding=1, padding_mode="reflect", bias=False)
+    ref2.load_state_dict(reflect.state_dict())
+    torch.testing.assert_close(reflect(x), ref2(x))
+    torch.testing.assert_close(tc.conv2d(x.double(), ref.weight.double()),
+                               F.conv2d(x.double(), ref.weight.double()))
+
+
+def test_only_needed_grads():
+    x = torch.randn(1, 3, 5, 5)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    y = tc.conv2d(x, w, None, 1, 1)
+    y.sum().backward()
+    assert x.grad is None and w.grad is not None
+
+
+def test_bad_input():
+    x = np.zeros((1, 4, 5, 5), np.float32)
+    w = np.zeros((8, 4, 3, 3), np.float32)
+    bad = [
+        lambda: ops.conv2d(x, np.zeros((8, 3, 3, 3), np.float32)),       # channels
+        lambda: ops.conv2d(x[0], w),                                     # 3-D
+        lambda: ops.conv2d(x.astype(np.float64), w.astype(np.float64)),  # dtype
+        lambda: ops.conv2d(x, w.astype(tpp.BF16.numpy)),                 # mixed dtypes
+        lambda: ops.conv2d(x, w, stride=0),
+        lambda: ops.conv2d(x, w, padding=-1),
+        lambda: ops.conv2d(x, w, padding="full"),
+        lambda: ops.conv2d(x, w, padding="same", stride=2),
+        lambda: ops.conv2d(x, w, groups=3),
+        lambda: ops.conv2d(x, np.zeros((8, 4, 7, 7), np.float32)),       # kernel too large
+        lambda: ops.conv2d(x, w, np.zeros(7, np.float32)),               # bias shape
+        lambda: ops.conv2d(x, w, activation="nope"),
+        lambda: ops.conv2d(x, w, strides=2),                             # unknown keyword
+        lambda: ops.conv2d_backward(np.zeros((1, 8, 4, 4), np.float32), x, w),
+        lambda: ops.conv2d_backward(np.zeros((1, 8, 3, 3), np.float32), x, w, need=True),
+    ]
+    for fn in bad:
+        with pytest.raises(ArgumentError):
+            fn()
+
+
+def test_blocked_chain():
+    """Two layers on blocked activations: the first writes the second's padding frame."""
+    from ops import conv
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 9, 8)
+    w1 = torch.randn(70, 5, 3, 3) * 0.3
+    b1 = torch.randn(70)
+    w2 = torch.randn(6, 70, 3, 3) * 0.1
+    xb = conv.blocked(x, padding=1)
+    h = conv.conv2d_blocked(xb, w1, b1, padding=1, stride=2, activation="relu", out_padding=1)
+    y = conv.to_nchw(conv.conv2d_blocked(h, conv.pack_weight(w2, 1, tpp.F32), padding=1))
+    ref = F.conv2d(torch.relu(F.conv2d(x, w1, b1, padding=1, stride=2)), w2, padding=1)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ArgumentError):
+        conv.conv2d_blocked(xb, w1, padding=0)          # stored frame is 1
