@@ -62,6 +62,7 @@ class Options:
     mask2d: bool = False
     mheads: int = 1
     dropout: float = 0.0
+    negscale: bool = False      # scale < 0: the largest score is scale * the smallest s
 
 
 # ---------------------------------------------------------------- equations
@@ -91,6 +92,12 @@ def _dropped(eq, o: Options, p):
     return y
 
 
+def vnni(o: Options) -> bool:
+    """Whether the nests run the bf16 path: P (and dS) rounded to bf16 and every BRGEMM on
+    bf16 A with VNNI-packed bf16 B (vdpbf16ps on hosts with avx512_bf16)."""
+    return o.dtype == _dt.BF16
+
+
 @functools.lru_cache(maxsize=256)
 def step_spec(o: Options, first: bool, diag: bool, tail: bool):
     """The online-softmax step on the S^T block of (i, j), in place: P^T over s; m (the
@@ -112,6 +119,8 @@ def step_spec(o: Options, first: bool, diag: bool, tail: bool):
     safe = _finite_or_zero(m_new)
     p = eq.exp(z - safe)
     outs["p"] = _dropped(eq, o, p)
+    if vnni(o) and not o.dropout:       # f32 P^T too: l sums the unrounded probabilities
+        outs["pf"] = p
     outs["m_out"] = m_new
     if not first:
         alpha = eq.exp(m_old - safe)
@@ -121,7 +130,53 @@ def step_spec(o: Options, first: bool, diag: bool, tail: bool):
         outs["l_out"] = eq.sum(p, 0) if first else scaled + eq.sum(p, 0)
     elif not first:
         outs["l_out"] = scaled
-    return eq.spec(**outs)
+    return eq.spec(**outs, dtypes={"p": o.dtype})
+
+
+@functools.lru_cache(maxsize=256)
+def stats_spec(o: Options, first: bool, diag: bool, tail: bool):
+    """The statistics half of the step without dropout (one pass down the columns): m (the
+    running column maxima) updated in place, alpha = exp(m_old - m_new), l = alpha * l_old
+    and `safe`, m_new where finite and 0 where -inf, the shift probs_spec subtracts. Split
+    from the exponentials so that the per-column values are computed once per column rather
+    than once per element."""
+    eq = tpp.equation(BK, BQ)
+    cmax = eq.max(_scores(eq, o, diag=diag, tail=tail), 0)
+    if first:
+        m_new = cmax
+        return eq.spec(m_out=m_new, safe=_finite_or_zero(m_new))
+    m_old = eq.input("m", bcast="row")
+    m_new = eq.maximum(m_old, cmax)
+    safe = _finite_or_zero(m_new)
+    alpha = eq.exp(m_old - safe)
+    return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l", bcast="row"))
+
+
+@functools.lru_cache(maxsize=256)
+def stats_row_spec(first: bool):
+    """stats_spec on an unmasked block from the column extreme of its raw scores (c: max of s,
+    or min with a negative scale; scale * c is the largest z exactly, rounding being
+    monotonic), as a (1 x BQ) equation: the block's pass is the reduce TPP's."""
+    eq = tpp.equation(1, BQ)
+    cmax = eq.input("c") * eq.param("scale")
+    if first:
+        return eq.spec(m_out=cmax, safe=_finite_or_zero(cmax))
+    m_old = eq.input("m")
+    m_new = eq.maximum(m_old, cmax)
+    safe = _finite_or_zero(m_new)
+    alpha = eq.exp(m_old - safe)
+    return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l"))
+
+
+@functools.lru_cache(maxsize=256)
+def probs_spec(o: Options, diag: bool, tail: bool):
+    """P^T = exp(z - safe) over the S^T block (in place; with the bf16 path also rounded to
+    bf16 into pb), safe from stats_spec."""
+    eq = tpp.equation(BK, BQ)
+    p = eq.exp(_scores(eq, o, diag=diag, tail=tail) - eq.input("sf", bcast="row"))
+    if vnni(o):
+        return eq.spec(p=p, pf=p, dtypes={"p": o.dtype})
+    return eq.spec(p=p)
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,9 +223,14 @@ class Forward:
       cm (64,)                                                 0 / -inf per key of the tail
       km (mheads, NK * 64) or mk (mheads, NK, 64, 64)         masks (keymask / mask2d)
       scale (1,), ones (64,)
-      scratch: qT (hc, NQ, d, 64) dtype, st (hc, NQ, 64, 64), acc (hc, NQ, 64, d),
-               m, l, alpha (hc, NQ * 64)
-    In the per-query-block variant (mask2d) NQ is 1 and the query block is the size I."""
+      scratch (one block per head: loop a is parallel, the query blocks i and key blocks j
+               run in order inside it): qT (hc, d, 64) dtype, st (hc, 64, 64),
+               acc (hc, 64, d), m, l, alpha, sf, cx (hc, 64); bf16 also qV (hc, d/2, 128),
+               pb (hc, 64, 64), vV (hc, 32, 2d) (VNNI-packed Q_i^T, bf16 P^T, packed V_j)
+    In the per-query-block variant (mask2d) the query block is the size I.
+    The step without dropout is three calls: the column extreme of s (reduce TPP) and a
+    (1 x 64) statistics equation on unmasked blocks (stats_spec on masked ones), then
+    probs_spec's exponentials: column values once per column, not per element."""
 
     def __init__(self, o: Options):
         self.o = o
@@ -180,17 +240,15 @@ class Forward:
         nk = (sk + BK - 1) // BK
         per_block = o.mask2d
         if per_block:
-            nq = 1
             nest = tpp.LoopNest("Ab", a=hc, b=nk)
             a, j = nest.vars
-            ii = 0                         # the scratch's query block index
             qi = tpp.size("I")             # the query block
         else:
             nq = (sq + BQ - 1) // BQ
-            nest = tpp.LoopNest("ABc", a=hc, b=nq, c=nk)
-            a, ii, j = nest.vars
-            qi = ii
+            nest = tpp.LoopNest("Abc", a=hc, b=nq, c=nk)
+            a, qi, j = nest.vars
         hk = hc // group
+        bf = vnni(o)
         t = {}
 
         def tensor(name, shape, dtype=_dt.F32):
@@ -212,11 +270,15 @@ class Forward:
             tensor("mk", (o.mheads, nk, BK, BQ))
         tensor("scale", (1,))
         tensor("ones", (BK,))
-        tensor("qT", (hc, nq, d, BQ), dt)
-        tensor("st", (hc, nq, BK, BQ))
-        tensor("acc", (hc, nq, BQ, d))
-        for name in ("m", "l", "alpha"):
-            tensor(name, (hc, nq * BQ))
+        tensor("qT", (hc, d, BQ), dt)
+        tensor("st", (hc, BK, BQ))
+        tensor("acc", (hc, BQ, d))
+        for name in ("m", "l", "alpha", "sf", "cx"):
+            tensor(name, (hc, BQ))
+        if bf:
+            tensor("qV", (hc, (d + 1) // 2, 2 * BQ), dt)    # Q_i^T in VNNI pairs
+            tensor("pb", (hc, BK, BQ), dt)                  # P^T rounded to bf16
+            tensor("vV", (hc, BK // 2, 2 * d), dt)          # V_j in VNNI pairs
         self.names = tuple(t)
 
         q_cases = ((qi < nq_full,), lambda h: t["q"][h, qi * BQ]), \
@@ -237,45 +299,76 @@ class Forward:
         first_cases = ((True, (j == 0,)), (False, (j > 0,)))
 
         transpose = tpp.make_unary("transpose", BQ, d, ldi=d, ldo=BQ, dtype_in=dt)
-        scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
+        if bf:      # every product on vdpbf16ps: B operands VNNI-packed, P^T in bf16
+            pack_q = tpp.make_unary("vnni2", d, BQ, dtype_in=dt)
+            pack_v = tpp.make_unary("vnni2", BK, d, ldi=d, dtype_in=dt)
+            scores = _brgemm(BK, BQ, d, lda=d, ldb=2 * BQ, ldc=BQ, dtype_a=dt, dtype_b=dt,
+                             vnni_b=True)
+            pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=2 * d, ldc=d, trans_a=True,
+                                 dtype_a=dt, dtype_b=dt, vnni_b=True, beta=0 if first else 1)
+                  for first in (True, False)}
+        else:
+            scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
+            pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True,
+                                 dtype_a=_dt.F32, dtype_b=dt, beta=0 if first else 1)
+                  for first in (True, False)}
         sums = {first: _brgemm(1, BQ, BK, lda=BK, ldb=BQ, ldc=BQ, beta=0 if first else 1)
                 for first in (True, False)}
-        pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True, dtype_a=_dt.F32,
-                             dtype_b=dt, beta=0 if first else 1)
-              for first in (True, False)}
         rescale, finish = rescale_spec(d), finish_spec(d, dt)
         scale, ones, cm = t["scale"][0], t["ones"][0], t["cm"][0]
+        extreme = tpp.make_unary("reduce_min" if o.negscale else "reduce_max", BK, BQ, axis=0)
+
+        def plain(diag, tail):      # no element masks: z = s * scale
+            return not (diag or o.keymask or o.mask2d or (tail and not o.mask2d))
 
         for h in range(hc):
             c = h // group
             mh = h if o.mheads > 1 else 0
             own = (a == h,)
-            qT, st, acc = t["qT"][h, ii], t["st"][h, ii], t["acc"][h, ii]
-            m, l, alpha = t["m"][h, ii * BQ], t["l"][h, ii * BQ], t["alpha"][h, ii * BQ]
+            qT, st, acc = t["qT"][h], t["st"][h], t["acc"][h]
+            m, l, alpha, sf, cx = (t[x][h, 0] for x in ("m", "l", "alpha", "sf", "cx"))
+            p_at = t["pb"][h] if bf else st
             for cond, addr in q_cases:       # Q_i^T, once per work item
                 nest.call(transpose, addr(h), qT, when=own + (j == 0,) + cond)
+            if bf:
+                nest.call(pack_q, qT, t["qV"][h], when=own + (j == 0,))
+            q_b = t["qV"][h] if bf else qT
             for tail, kcond, kaddr in k_cases:
-                nest.call(scores, kaddr(c, "k"), qT, st, when=own + visible + kcond)
+                nest.call(scores, kaddr(c, "k"), q_b, st, when=own + visible + kcond)
                 for diag, dcond in diag_cases:
                     for first, fcond in first_cases:
-                        spec = step_spec(o, first, diag, tail)
-                        names = {"s": st, "scale": scale, "p": st, "m": m, "l": l,
-                                 "m_out": m, "l_out": l, "alpha": alpha, "cm": cm}
+                        names = {"s": st, "scale": scale, "p": p_at, "pf": st, "m": m, "l": l,
+                                 "m_out": m, "l_out": l, "alpha": alpha, "cm": cm,
+                                 "safe": sf, "sf": sf, "c": cx}
                         if o.keymask:
                             names["cm"] = t["km"][mh, j * BK]
                         if o.mask2d:
                             names["mk"] = t["mk"][mh, j]
-                        args = [names[op.name] for op in spec.operands()]
-                        seed = _seed(h, qi, j) if spec.scalars else None
-                        nest.call(spec, *args, when=own + visible + kcond + dcond + fcond,
-                                  seed=seed)
+                        when = own + visible + kcond + dcond + fcond
+                        if o.dropout:
+                            specs = (step_spec(o, first, diag, tail),)
+                        elif plain(diag, tail):
+                            nest.call(extreme, st, cx, when=when)
+                            specs = (stats_row_spec(first), probs_spec(o, diag, tail))
+                        else:
+                            specs = (stats_spec(o, first, diag, tail),
+                                     probs_spec(o, diag, tail))
+                        for spec in specs:
+                            args = [names[op.name] for op in spec.operands()]
+                            seed = _seed(h, qi, j) if spec.scalars else None
+                            nest.call(spec, *args, when=when, seed=seed)
+                v_b = kaddr(c, "v")
+                if bf:
+                    nest.call(pack_v, v_b, t["vV"][h], when=own + visible + kcond)
+                    v_b = t["vV"][h]
                 for first, fcond in first_cases:
                     if not first:
                         nest.call(rescale, acc, alpha, acc, when=own + visible + kcond + fcond)
-                    nest.call(pv[first], st, kaddr(c, "v"), acc,
+                    nest.call(pv[first], p_at, v_b, acc,
                               when=own + visible + kcond + fcond)
                     if not o.dropout:
-                        nest.call(sums[first], ones, st, l, when=own + visible + kcond + fcond)
+                        nest.call(sums[first], ones, st, l,
+                                  when=own + visible + kcond + fcond)
             for lcond in last_cases:
                 for cond, addr in out_cases:
                     nest.call(finish, acc, l, m, addr(h), t["lse"][h, qi * BQ],
@@ -327,7 +420,7 @@ def backward_step_spec(o: Options, diag: bool, tail: bool):
     sums = [n for n in X.topological([ds]) if n.op in X.REDUCTIONS]
     assert len(sums) == 1 and sums[0].attr[0] == 0, "the softmax gradient's one column sum"
     ds, = X.substitute([ds], {sums[0]: delta})
-    return eq.spec(pt=pd, ds=ds)
+    return eq.spec(pt=pd, ds=ds, dtypes={"pt": o.dtype, "ds": o.dtype})
 
 
 @functools.lru_cache(maxsize=256)
@@ -366,11 +459,12 @@ class Backward:
             nest = tpp.LoopNest("Ab", a=hk, b=nk)
             a, j = nest.vars
             ii, i = 0, tpp.size("I")
-            snq = 1
+            snq, snk, jj = 1, nk, j
         else:
             nest = tpp.LoopNest("Abc", a=hk, b=nk, c=nq)
             a, j, i = nest.vars
-            ii, snq = i, nq
+            ii, snq, snk, jj = i, nq, 1, 0
+        bf = vnni(o)
         t = {}
 
         def tensor(name, shape, dtype=_dt.F32):
@@ -397,14 +491,25 @@ class Backward:
         if o.mask2d:
             tensor("mk", (o.mheads, nk, BK, BQ))
         tensor("scale", (1,))
-        tensor("qT", (hc, snq, d, BQ), dt)
-        tensor("doT", (hc, snq, d, BQ), dt)
+        if bf:      # the query side packed once per query block (at j == 0), VNNI pairs
+            tensor("qT", (hc, d, BQ), dt)                       # a transpose's staging
+            for name in ("qV", "doV"):                          # Q_i^T, dO_i^T
+                tensor(name, (hc, snq, (d + 1) // 2, 2 * BQ), dt)
+            for name in ("qN", "doN"):                          # Q_i, dO_i
+                tensor(name, (hc, snq, BQ // 2, 2 * d), dt)
+        else:
+            tensor("qT", (hc, snq, d, BQ), dt)
+            tensor("doT", (hc, snq, d, BQ), dt)
         tensor("delta", (hc, snq * BQ))
         tensor("gq", (hc, snq, BQ, d))
-        tensor("gk", (hk, nk, BK, d))
-        tensor("gv", (hk, nk, BK, d))
+        tensor("gk", (hk, snk, BK, d))
+        tensor("gv", (hk, snk, BK, d))
         tensor("st", (hk, BK, BQ))
         tensor("dpt", (hk, BK, BQ))
+        if bf:
+            tensor("pb", (hk, BK, BQ), dt)                      # P^T, dS^T in bf16
+            tensor("dsb", (hk, BK, BQ), dt)
+            tensor("kN", (hk, BK // 2, 2 * d), dt)              # K_j in VNNI pairs
         self.names = tuple(t)
 
         def q_side(name, h):    # a query block of a (hc, SQ, d) input or output, or its tail
@@ -417,43 +522,72 @@ class Backward:
         transpose = tpp.make_unary("transpose", BQ, d, ldi=d, ldo=BQ, dtype_in=dt)
         zero = tpp.make_unary("zero", BQ, d)
         to_out = tpp.make_unary("identity", BQ, d, dtype_in=_dt.F32, dtype_out=dt)
-        scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
-        # dP^T = V_j dO_i^T; dV_j += P^T dO_i; dK_j += dS^T Q_i; dQ_i += dS K_j
-        acc_k = _brgemm(BK, d, BQ, lda=BQ, ldb=d, ldc=d, dtype_a=_dt.F32, dtype_b=dt, beta=1)
-        acc_q = _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True, dtype_a=_dt.F32,
-                        dtype_b=dt, beta=1)
+        if bf:
+            pack_t = tpp.make_unary("vnni2", d, BQ, dtype_in=dt)            # qT -> qV
+            pack_r = tpp.make_unary("vnni2", BQ, d, ldi=d, dtype_in=dt)    # rows -> pairs
+            scores = _brgemm(BK, BQ, d, lda=d, ldb=2 * BQ, ldc=BQ, dtype_a=dt, dtype_b=dt,
+                             vnni_b=True)
+            acc_k = _brgemm(BK, d, BQ, lda=BQ, ldb=2 * d, ldc=d, dtype_a=dt, dtype_b=dt,
+                            vnni_b=True, beta=1)
+            acc_q = _brgemm(BQ, d, BK, lda=BQ, ldb=2 * d, ldc=d, trans_a=True, dtype_a=dt,
+                            dtype_b=dt, vnni_b=True, beta=1)
+        else:
+            scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
+            # dP^T = V_j dO_i^T; dV_j += P^T dO_i; dK_j += dS^T Q_i; dQ_i += dS K_j
+            acc_k = _brgemm(BK, d, BQ, lda=BQ, ldb=d, ldc=d, dtype_a=_dt.F32, dtype_b=dt,
+                            beta=1)
+            acc_q = _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True, dtype_a=_dt.F32,
+                            dtype_b=dt, beta=1)
         delta = delta_spec(d, dt)
-        visible = (j <= i,) if o.causal else ()
+        visible = (i >= j,) if o.causal else ()
         diag_cases = ((False, (j < i,)), (True, (j == i,))) if o.causal else ((False, ()),)
         scale, cm = t["scale"][0], t["cm"][0]
 
         for c in range(hk):
             own = (a == c,)
             st, dpt = t["st"][c], t["dpt"][c]
-            gk, gv = t["gk"][c, j], t["gv"][c, j]
+            pt_at, ds_at = (t["pb"][c], t["dsb"][c]) if bf else (st, dpt)
+            gk, gv = t["gk"][c, jj], t["gv"][c, jj]
             nest.call(zero, gk, when=own + (i == 0,))
             nest.call(zero, gv, when=own + (i == 0,))
+            if bf:      # K_j in pairs for dQ_i += dS K_j (every step: cheap, any order)
+                for kcond, k_at, _ in k_side("k", c):
+                    nest.call(pack_r, k_at, t["kN"][c], when=own + visible + kcond)
             for g in range(group):
                 h = c * group + g
                 mh = h if o.mheads > 1 else 0
-                qT, doT = t["qT"][h, ii], t["doT"][h, ii]
                 gq, dl = t["gq"][h, ii], t["delta"][h, ii * BQ]
                 first = own + (j == 0,)
-                for cond, addr in q_side("q", h):
-                    nest.call(transpose, addr, qT, when=first + cond)
+                if bf:
+                    qT = t["qT"][h]
+                    for name, side in (("qV", "q"), ("doV", "do")):
+                        for cond, addr in q_side(side, h):
+                            nest.call(transpose, addr, qT, when=first + cond)
+                        nest.call(pack_t, qT, t[name][h, ii], when=first)
+                    for name, side in (("qN", "q"), ("doN", "do")):
+                        for cond, addr in q_side(side, h):
+                            nest.call(pack_r, addr, t[name][h, ii], when=first + cond)
+                    q_b, do_b = t["qV"][h, ii], t["doV"][h, ii]
+                    q_n, do_n = (((), t["qN"][h, ii]),), (((), t["doN"][h, ii]),)
+                else:
+                    q_b, do_b = t["qT"][h, ii], t["doT"][h, ii]
+                    for cond, addr in q_side("q", h):
+                        nest.call(transpose, addr, q_b, when=first + cond)
+                    for cond, addr in q_side("do", h):
+                        nest.call(transpose, addr, do_b, when=first + cond)
+                    q_n, do_n = q_side("q", h), q_side("do", h)
                 for (cond, o_at), (_, do_at) in zip(q_side("o", h), q_side("do", h)):
-                    nest.call(transpose, do_at, doT, when=first + cond)
                     nest.call(delta, do_at, o_at, dl, when=first + cond)
                 nest.call(zero, gq, when=first)
                 for kcond, k_at, tail in k_side("k", c):
                     (_, v_at, _), = [x for x in k_side("v", c) if x[2] == tail]
                     step = own + visible + kcond
-                    nest.call(scores, k_at, qT, st, when=step)
-                    nest.call(scores, v_at, doT, dpt, when=step)
+                    nest.call(scores, k_at, q_b, st, when=step)
+                    nest.call(scores, v_at, do_b, dpt, when=step)
                     for diag, dcond in diag_cases:
                         spec = backward_step_spec(o, diag, tail)
                         names = {"s": st, "dp": dpt, "lse": t["lse"][h, i * BQ], "delta": dl,
-                                 "scale": scale, "cm": cm, "pt": st, "ds": dpt}
+                                 "scale": scale, "cm": cm, "pt": pt_at, "ds": ds_at}
                         if o.keymask:
                             names["cm"] = t["km"][mh, j * BK]
                         if o.mask2d:
@@ -461,11 +595,11 @@ class Backward:
                         args = [names[op.name] for op in spec.operands()]
                         seed = _seed(h, i, j) if spec.scalars else None
                         nest.call(spec, *args, when=step + dcond, seed=seed)
-                    for q_cond, q_at in q_side("q", h):
-                        nest.call(acc_k, dpt, q_at, gk, when=step + q_cond)
-                    for do_cond, do_at in q_side("do", h):
-                        nest.call(acc_k, st, do_at, gv, when=step + do_cond)
-                    nest.call(acc_q, dpt, k_at, gq, when=step)
+                    for q_cond, q_at in q_n:
+                        nest.call(acc_k, ds_at, q_at, gk, when=step + q_cond)
+                    for do_cond, do_at in do_n:
+                        nest.call(acc_k, pt_at, do_at, gv, when=step + do_cond)
+                    nest.call(acc_q, ds_at, t["kN"][c] if bf else k_at, gq, when=step)
                 for cond, addr in q_side("dq", h):      # dQ_i is complete after the last j
                     nest.call(to_out, gq, addr, when=own + (j == nk - 1,) + cond)
             last = own + (i == nq - 1,)                 # dK_j, dV_j after the last i
@@ -488,5 +622,6 @@ def backward(o: Options) -> Backward:
     return Backward(o)
 
 
-for _cache in (backward, step_spec, rescale_spec, finish_spec, backward_step_spec, delta_spec):
+for _cache in (backward, step_spec, stats_spec, stats_row_spec, probs_spec, rescale_spec,
+               finish_spec, backward_step_spec, delta_spec):
     also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too

@@ -48,12 +48,19 @@ worker threads (each nest on one thread; a nest call releases the GIL) when ther
 least as many calls as threads, else one after the other, each on every thread. 2-D masks
 (varying over queries and keys) run one call per query block (see ops.attention_kernels).
 Memory: the inputs' per-call copies are the last partial block of each head (sequences not a
-multiple of 64); the scratch per worker is O(HC * S * D); a mask is reblocked to an f32
+multiple of 64); the forward's scratch is O(HC) blocks (its query blocks run in order inside a
+head); the backward's per worker O(HC * Sq * D) (f32 dQ accumulators, the packed query side),
+HC capped so that that stays near SCRATCH_PER_CALL (B1 H12 S8192 D64 f32 fwd+bwd: about 24 MB
+of peak RSS beyond inputs and outputs, tested in a subprocess); a mask is reblocked to an f32
 additive copy at its own broadcast shape (key masks O(S), 2-D masks O(Sq * Sk) like the
 mask itself).
 
-Dropout with a 2-D mask, GQA and every tail combination are supported; bf16 runs the BRGEMMs
-on bf16 inputs (widened to f32, no VNNI packing) with f32 accumulation and keeps P in f32.
+Dropout with a 2-D mask, GQA and every tail combination are supported. bf16 runs every BRGEMM
+on bf16 A and VNNI-packed bf16 B (vdpbf16ps on avx512_bf16 hosts; f32 accumulation): Q_i^T,
+V_j, K_j, Q_i, dO_i and dO_i^T are packed in the nests, and P (forward and backward) and dS are
+rounded to bf16 before their products, as FlashAttention does; the softmax statistics, l (the
+sum of the unrounded P) and lse stay f32. Accuracy: bf16 outputs and gradients within the
+tests' bf16 tolerance (rtol = atol = 2e-2 of the largest value) of f32 torch.
 """
 from __future__ import annotations
 
@@ -74,6 +81,7 @@ from .attention_kernels import BK, BQ
 
 _DTYPES = (_dt.F32, _dt.BF16)
 MAX_UNROLL = 16          # heads a nest handles per call (its calls are unrolled per head)
+SCRATCH_PER_CALL = 4 << 20   # bytes of per-sequence scratch a call's heads may hold (see _Problem)
 _SERIAL_FLOPS = 2e6      # smaller problems run on one thread (waking the team costs more)
 
 
@@ -189,12 +197,16 @@ class _Problem:
             raise ArgumentError(f"seed must be an int, got {seed!r}")
         self.seed = None if seed is None else int(seed) & ((1 << 64) - 1)
         self.mask_kind, self.mask = _mask(mask, (b, h, sq, sk), self.dt)
-        self.hc = _heads_per_call(h, self.group)
+        # the backward's scratch holds f32 dQ accumulators and the packed query side of its
+        # heads, O(hc * Sq * D): few heads per call when the sequence is long
+        self.hc = _heads_per_call(h, self.group,
+                                  max(1, SCRATCH_PER_CALL // (4 * max(sq, 1) * d)))
         self.chunks = b * h // self.hc
 
     def options(self, mheads=1) -> K.Options:
         return K.Options(self.d, self.dt, self.hc, self.group, self.causal,
-                         self.mask_kind == "key", self.mask_kind == "full", mheads, self.p)
+                         self.mask_kind == "key", self.mask_kind == "full", mheads, self.p,
+                         self.scale < 0)
 
     @property
     def serial(self) -> bool:
@@ -202,11 +214,11 @@ class _Problem:
         return 4.0 * self.b * self.h * self.sq * self.sk * self.d < _SERIAL_FLOPS
 
 
-def _heads_per_call(h, group):
-    """The largest divisor of h that is a multiple of group and at most MAX_UNROLL (group
-    itself when that is larger)."""
+def _heads_per_call(h, group, limit=MAX_UNROLL):
+    """The largest divisor of h that is a multiple of group and at most MAX_UNROLL and limit
+    (group itself when that is larger)."""
     best = group
-    for d in range(group, min(h, max(MAX_UNROLL, group)) + 1, group):
+    for d in range(group, min(h, max(min(MAX_UNROLL, limit), group)) + 1, group):
         if h % d == 0:
             best = d
     return best
@@ -337,18 +349,23 @@ def _forward_run(pr, out3, lse_p, nq, nk):
     v3 = pr.v.reshape(-1, pr.sk, d)
     qt, kt, vt = _tail(q3, BQ, hc), _tail(k3, BK, hkc), _tail(v3, BK, hkc)
     outt = np.empty((q3.shape[0] if pr.sq % BQ else hc, BQ, d), dt.numpy)
-    per_block = pr.mask_kind == "full"
-    snq = 1 if per_block else nq
     shared = {"cm": _key_tail_mask(pr.sk), "scale": np.full(1, pr.scale, np.float32),
               "ones": _ones()}
 
     def scratch():
-        return dict(shared, qT=np.empty((hc, snq, d, BQ), dt.numpy),
-                    st=np.empty((hc, snq, BK, BQ), np.float32),
-                    acc=np.empty((hc, snq, BQ, d), np.float32),
-                    m=np.empty((hc, snq * BQ), np.float32),
-                    l=np.empty((hc, snq * BQ), np.float32),
-                    alpha=np.empty((hc, snq * BQ), np.float32))
+        arrays = dict(shared, qT=np.empty((hc, d, BQ), dt.numpy),
+                      st=np.empty((hc, BK, BQ), np.float32),
+                      acc=np.empty((hc, BQ, d), np.float32),
+                      m=np.empty((hc, BQ), np.float32),
+                      l=np.empty((hc, BQ), np.float32),
+                      alpha=np.empty((hc, BQ), np.float32),
+                      sf=np.empty((hc, BQ), np.float32),
+                      cx=np.empty((hc, BQ), np.float32))
+        if K.vnni(pr.options()):
+            arrays.update(qV=np.empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
+                          pb=np.empty((hc, BK, BQ), dt.numpy),
+                          vV=np.empty((hc, BK // 2, 2 * d), dt.numpy))
+        return arrays
 
     masks, mheads = _mask_slabs(pr, nq, nk)
     nest = K.forward(pr.options(mheads))
@@ -481,15 +498,29 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
     snq = 1 if per_block else nq
     shared = {"cm": _key_tail_mask(sk), "scale": np.full(1, pr.scale, np.float32)}
 
+    snk = nk if per_block else 1
+
     def scratch():
-        return dict(shared, qT=np.empty((hc, snq, d, BQ), dt.numpy),
-                    doT=np.empty((hc, snq, d, BQ), dt.numpy),
-                    delta=np.empty((hc, snq * BQ), np.float32),
-                    gq=np.empty((hc, snq, BQ, d), np.float32),
-                    gk=np.empty((hkc, nk, BK, d), np.float32),
-                    gv=np.empty((hkc, nk, BK, d), np.float32),
-                    st=np.empty((hkc, BK, BQ), np.float32),
-                    dpt=np.empty((hkc, BK, BQ), np.float32))
+        arrays = dict(shared, delta=np.empty((hc, snq * BQ), np.float32),
+                      gq=np.empty((hc, snq, BQ, d), np.float32),
+                      gk=np.empty((hkc, snk, BK, d), np.float32),
+                      gv=np.empty((hkc, snk, BK, d), np.float32),
+                      st=np.empty((hkc, BK, BQ), np.float32),
+                      dpt=np.empty((hkc, BK, BQ), np.float32))
+        if K.vnni(pr.options()):
+            pairs = (d + 1) // 2
+            arrays.update(qT=np.empty((hc, d, BQ), dt.numpy),
+                          qV=np.empty((hc, snq, pairs, 2 * BQ), dt.numpy),
+                          doV=np.empty((hc, snq, pairs, 2 * BQ), dt.numpy),
+                          qN=np.empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
+                          doN=np.empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
+                          pb=np.empty((hkc, BK, BQ), dt.numpy),
+                          dsb=np.empty((hkc, BK, BQ), dt.numpy),
+                          kN=np.empty((hkc, BK // 2, 2 * d), dt.numpy))
+        else:
+            arrays.update(qT=np.empty((hc, snq, d, BQ), dt.numpy),
+                          doT=np.empty((hc, snq, d, BQ), dt.numpy))
+        return arrays
 
     masks, mheads = _mask_slabs(pr, nq, nk)
     nest = K.backward(pr.options(mheads))
