@@ -414,3 +414,8 @@ def _sizes(hidden_features):
 from ops.torch_attention import (AttentionFunction, MultiheadAttention,  # noqa: E402
                                  scaled_dot_product_attention)
 from ops.torch_norms import LayerNorm, RMSNorm, layer_norm, rms_norm, softmax  # noqa: E402
+from ops.torch_encoder import TransformerEncoderLayer  # noqa: E402
+from ops.torch_conv import Conv2d, conv2d  # noqa: E402
+from ops.torch_convert import optimize  # noqa: E402
+
+__all__ += ["TransformerEncoderLayer", "optimize", "Conv2d", "conv2d"]
