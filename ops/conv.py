@@ -269,17 +269,25 @@ def _weight_rows_nest(k, cg, rs, groups, kgp, cgp, backward, dtype):
     wt[g, c, t, kk] = w[g*kg + kk, c, t] (a transpose of each output channel's row);
     backward, wt (groups, kgp, rs, cgp) with wt[g, kk, t, c] = w[g*kg + kk, c, t]."""
     kg = k // groups
-    nest = tpp.LoopNest("AB", a=groups, b=kg)
-    g, a = nest.vars
-    w = nest.tensor("w", (k, cg, rs), dtype)
     if backward:
+        nest = tpp.LoopNest("AB", a=groups, b=kg)
+        g, a = nest.vars
+        w = nest.tensor("w", (k, cg, rs), dtype)
         wt = nest.tensor("wt", (groups, kgp, rs, cgp), dtype)
         spec = tpp.make_unary("transpose", cg, rs, ldi=rs, ldo=cgp, dtype_in=dtype)
         nest.call(spec, w[g * kg + a], wt[g, a])
     else:
+        # blocks of up to BLOCK output channels, each a (rows, cg*rs) -> (cg*rs, rows)
+        # transpose (one element at a time, with ldo=kgp, is ~10x slower on large weights)
+        kb = -(-kg // BLOCK)
+        nest = tpp.LoopNest("AB", a=groups, b=kb)
+        g, a = nest.vars
+        w = nest.tensor("w", (k, cg, rs), dtype)
         wt = nest.tensor("wt", (groups, cgp, rs, kgp), dtype)
-        spec = tpp.make_unary("transpose", 1, cg * rs, ldi=cg * rs, ldo=kgp, dtype_in=dtype)
-        nest.call(spec, w[g * kg + a], wt[g, 0, 0, a])
+        for rows, when in _block_cases(a, kb, kg, BLOCK):
+            spec = tpp.make_unary("transpose", rows, cg * rs, ldi=cg * rs, ldo=kgp,
+                                  dtype_in=dtype)
+            nest.call(spec, w[g * kg + a * BLOCK], wt[g, 0, 0, a * BLOCK], when=when)
     return nest.compile()
 
 
@@ -328,7 +336,9 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     vnni = dtype == _dt.BF16
     bq = min(q, PIXELS)
     full, tail = divmod(q, bq)
-    nest = tpp.LoopNest("ABCDe", a=n, b=groups, c=kb, d=p, e=full + (tail > 0))
+    # the pixel-block loop is parallel too where there is one row (a flattened 1x1 layer)
+    nest = tpp.LoopNest("ABCDE" if p == 1 else "ABCDe", a=n, b=groups, c=kb, d=p,
+                        e=full + (tail > 0))
     a, g, k, c, d = nest.vars
     b = g * kb + k
     xb = nest.tensor("xb", (n, groups * cb, hp, wp, bc), dtype)
@@ -360,6 +370,17 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
             spec = tpp.make_unary("identity", pixels, bk, dtype_in=acc_dt, dtype_out=dtype)
             nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=when)
     return nest.compile()
+
+
+def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
+    """make(hp, wp, p, q) called on args (xb, wb[, bias], yb[, acc]). A 1x1 stride-1 layer
+    on whole images (no padding, no output frame) runs as one row of hp*wp pixels: its pixel
+    blocks span image rows (full BRGEMMs, a parallel pixel loop)."""
+    if (r, s, sh, sw, hp, wp, tuple(frame)) == (1, 1, 1, 1, p, q, (0, 0, 0, 0)) and p > 1:
+        args = [a if len(a.shape) != 5 else
+                a.reshape(a.shape[0], a.shape[1], 1, p * q, a.shape[4]) for a in args]
+        hp, wp, p, q = 1, p * q, 1, p * q
+    return make(hp, wp, p, q), args
 
 
 @functools.lru_cache(maxsize=256)
@@ -437,7 +458,9 @@ def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> 
     nb = -(-geo.cg // bc)
     hb, wb = frame or (geo.hp, geo.wp)
     oh, ow = origin or (geo.pad[0], geo.pad[2])
-    xb = _host.zeros((n, geo.groups * nb, hb, wb, bc), geo.dtype, x)
+    # zeroed only where something is left unwritten: a frame, padded channels, scattered pixels
+    dense = ((hb, wb) == (geo.h, geo.w) and scatter == (1, 1) and nb * bc == geo.cg)
+    xb = (_host.empty if dense else _host.zeros)((n, geo.groups * nb, hb, wb, bc), geo.dtype, x)
     if n:
         nest = _to_blocked_nest(geo.groups, geo.cg, geo.h, geo.w, bc, hb, wb, oh, ow,
                                 scatter[0], scatter[1], geo.dtype)
@@ -516,11 +539,18 @@ def _size(a):
 
 # ------------------------------------------------------------------ forward
 def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
-           activation=None, **unknown):
+           activation=None, packed=None, **unknown):
     """act(conv2d(x, weight) + bias) like torch.nn.functional.conv2d: x (N, C, H, W), weight
-    (K, C/groups, R, S), bias (K,) or None; returns (N, K, P, Q) of x's kind and dtype."""
+    (K, C/groups, R, S), bias (K,) or None; returns (N, K, P, Q) of x's kind and dtype.
+    packed: pack_weight(weight, groups, dtype) made earlier (reused: nothing is packed)."""
     if unknown:
         _host.reject_unknown(conv2d, unknown)
+    return _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed)[0]
+
+
+def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed):
+    """(y, xb): conv2d's output and the BlockedActivation of x it read (a backward reuses
+    it)."""
     x, weight, bias = _inputs(x, weight, bias)
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -529,8 +559,22 @@ def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
     if bias is not None and tuple(bias.shape) != (geo.k,):
         raise ArgumentError(f"bias: expected shape ({geo.k},), got {tuple(bias.shape)}")
     xb = to_blocked(x, geo)
-    wb = pack_weight(weight, geo.groups, dt)
-    return _forward(xb.data, wb.data, bias, geo, activation, x)
+    wb = _check_packed(packed, weight, geo, False) or pack_weight(weight, geo.groups, dt)
+    return _forward(xb.data, wb.data, bias, geo, activation, x), xb
+
+
+def _check_packed(packed, weight, geo, transposed):
+    """packed if it is a BlockedWeight of this weight's shape, groups, dtype and use; None
+    when packed is None; else an ArgumentError."""
+    if packed is None:
+        return None
+    if (not isinstance(packed, BlockedWeight) or packed.shape != tuple(weight.shape)
+            or packed.groups != geo.groups or packed.transposed != transposed
+            or _host.dtype_of(packed.data, "packed") != geo.dtype):
+        raise ArgumentError(f"packed: expected pack_weight(weight, {geo.groups}, {geo.dtype}"
+                            f"{', transposed=True' if transposed else ''}) of the weight "
+                            f"{tuple(weight.shape)}, got {packed!r}")
+    return packed
 
 
 def _forward(xb, wb, bias, geo, activation, like, out=None, frame=None):
@@ -549,15 +593,19 @@ def _forward(xb, wb, bias, geo, activation, like, out=None, frame=None):
         yb = _host.empty(yshape, geo.dtype, like)
     if n == 0:
         return y
-    nest = _conv_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s,
-                      geo.stride[0], geo.stride[1], geo.dilation[0], geo.dilation[1], p, q,
-                      geo.dtype, bias is not None, activation, tuple(frame or (0, 0, 0, 0)))
     args = [xb, wb]
     if bias is not None:
         args.append(_pad_bias(bias, geo.groups, geo.kg, bk, like))
     args.append(yb)
     if geo.dtype == _dt.BF16:
         args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
+    fr = tuple(frame or (0, 0, 0, 0))
+    nest, args = _run_conv(
+        args, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0], geo.stride[1], p, q, fr,
+        lambda hp, wp, p_, q_: _conv_nest(
+            geo.groups, cb, kb, bc, bk, hp, wp, geo.r, geo.s, geo.stride[0], geo.stride[1],
+            geo.dilation[0], geo.dilation[1], p_, q_, geo.dtype, bias is not None, activation,
+            fr))
     nest(*args, threads=_threads(geo.flops(n)))
     if frame is not None:
         return y
@@ -566,10 +614,12 @@ def _forward(xb, wb, bias, geo, activation, like, out=None, frame=None):
 
 # ------------------------------------------------------------------ backward
 def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
-                    need=(True, True, True), **unknown):
+                    need=(True, True, True), packed=None, xb=None, **unknown):
     """Gradients of y = conv2d(x, weight, bias) (no activation) given dy (N, K, P, Q):
     (dx, dweight, dbias), each None where `need` says so. dbias is f32 for f32 data and
-    bf16 for bf16 (like torch), summed in f32."""
+    bf16 for bf16 (like torch), summed in f32. packed: pack_weight(weight, groups, dtype,
+    transposed=True) made earlier; xb: the BlockedActivation of x the forward read (its
+    frame this layer's padding): each is then not made again."""
     if unknown:
         _host.reject_unknown(conv2d_backward, unknown)
     x, weight, _ = _inputs(x, weight, None)
@@ -597,7 +647,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         tgeo = Geometry(geo.k, geo.c, frame[0], frame[1], geo.r, geo.s, geo.groups, (1, 1),
                         (0, 0, 0, 0), geo.dilation, dt)
         # tgeo.p, tgeo.q == geo.hp, geo.wp
-        wbt = pack_weight(weight, geo.groups, dt, transposed=True)
+        wbt = (_check_packed(packed, weight, geo, True)
+               or pack_weight(weight, geo.groups, dt, transposed=True))
         dxp = _conv_padded(dyb.data, wbt.data, tgeo, geo, x)
         dx = _host.empty(tuple(x.shape), dt, x)
         from_blocked(dxp, geo.c, geo.groups, geo.bc, geo.h, geo.w, dx,
@@ -605,7 +656,15 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     if need_dw or need_db:
         dyb0 = to_blocked(dy, dgeo).data
     if need_dw:
-        xb = to_blocked(x, geo).data
+        if xb is None:
+            xb = to_blocked(x, geo).data
+        elif (not isinstance(xb, BlockedActivation) or tuple(xb.pad) != geo.pad
+              or xb.bc != geo.bc or xb.groups != geo.groups or xb.n != n
+              or (xb.channels, xb.h, xb.w) != (geo.c, geo.h, geo.w)):
+            raise ArgumentError("xb: expected the BlockedActivation of x that the forward "
+                                "read (ops.conv.to_blocked(x, geometry))")
+        else:
+            xb = xb.data
         bc, bk = geo.bc, geo.bk
         cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
         dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
@@ -639,11 +698,14 @@ def _conv_padded(dyb, wbt, tgeo, geo, like):
     yb = _host.empty((n, geo.groups * kb, tgeo.p, tgeo.q, bk_out), geo.dtype, like)
     if n == 0:
         return yb
-    nest = _conv_nest(geo.groups, cb, kb, bc_in, bk_out, tgeo.hp, tgeo.wp, geo.r, geo.s, 1, 1,
-                      geo.dilation[0], geo.dilation[1], tgeo.p, tgeo.q, geo.dtype, False, None)
     args = [dyb, wbt, yb]
     if geo.dtype == _dt.BF16:
         args.append(_host.empty(tuple(yb.shape), _dt.F32, like))
+    nest, args = _run_conv(
+        args, tgeo.hp, tgeo.wp, geo.r, geo.s, 1, 1, tgeo.p, tgeo.q, (0, 0, 0, 0),
+        lambda hp, wp, p_, q_: _conv_nest(
+            geo.groups, cb, kb, bc_in, bk_out, hp, wp, geo.r, geo.s, 1, 1, geo.dilation[0],
+            geo.dilation[1], p_, q_, geo.dtype, False, None))
     nest(*args, threads=_threads(tgeo.flops(n)))
     return yb
 

@@ -6,8 +6,11 @@
     y = tc.conv2d(x, w, b, stride=2, padding=1)   # torch.nn.functional.conv2d's signature
 
 Conv2d subclasses torch.nn.Conv2d and replaces only `forward`. Forward and backward run
-ops.conv's BRGEMM nests through an autograd.Function (the forward keeps x and the weight; the
-backward computes only the gradients autograd asks for: data, weight, bias).
+ops.conv's BRGEMM nests through an autograd.Function (the forward keeps x, its blocked copy
+for the weight gradient, and the weight; the backward computes only the gradients autograd
+asks for: data, weight, bias). Conv2d packs its weight once (forward and, at the first
+backward, the data gradient's layout) and repacks when the weight's version counter moves
+(an in-place update such as an optimizer step) or the parameter is replaced.
 
 Served by torch's own implementation instead (same results, torch's autograd): tensors not on
 the CPU, dtypes other than float32 / bfloat16 (float64, float16, ...) or mixed dtypes, empty
@@ -42,29 +45,59 @@ def _d(t):
     return None if t is None else t.detach()
 
 
+class _Packs:
+    """A module's packed weights (forward, and the data gradient's flipped transpose, packed
+    at its first backward), valid while the weight's key (storage, version counter, dtype,
+    shape, strides) is `key`: an in-place update (an optimizer step) bumps the version."""
+    __slots__ = ("key", "src", "forward", "transposed")
+
+    def __init__(self, key, src):
+        self.key, self.src, self.forward, self.transposed = key, src, None, None
+
+
+def _weight_key(w):
+    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+
+
 class Conv2dFunction(torch.autograd.Function):
-    """Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups), x 4-D."""
+    """Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups[, packs]), x
+    4-D; packs a _Packs of this weight (Conv2d's cache) or None (packed per call)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups):
-        y = _c.conv2d(x.detach(), weight.detach(), _d(bias), stride=stride, padding=padding,
-                      dilation=dilation, groups=groups)
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, packs=None):
+        if packs is not None and packs.forward is None:
+            packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
+                weight, "weight"))
+        y, xb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding, dilation,
+                           groups, None, None if packs is None else packs.forward)
         ctx.save_for_backward(x, weight, bias)
         ctx.hyper = (stride, padding, dilation, groups)
+        ctx.packs = packs
+        # the blocked x the forward made: the weight gradient reads it (no second conversion)
+        ctx.xb = xb if ctx.needs_input_grad[1] else None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors       # (also torch's in-place version check)
         stride, padding, dilation, groups = ctx.hyper
         need = ctx.needs_input_grad[:3]
+        xb, packs, ctx.xb = ctx.xb, ctx.packs, None
         if torch.is_grad_enabled():     # create_graph=True: differentiable torch ops
-            return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy), None, None, None, None)
+            return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy),
+                    None, None, None, None, None)
+        packed = None
+        if need[0] and packs is not None and packs.key == _weight_key(weight):
+            if packs.transposed is None:
+                packs.transposed = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
+                    weight, "weight"), transposed=True)
+            packed = packs.transposed
         dx, dw, db = _c.conv2d_backward(
             dy.contiguous(), x.detach(), weight.detach(), stride=stride, padding=padding,
             dilation=dilation, groups=groups,
-            need=(need[0], need[1], bool(need[2]) and bias is not None))
-        return dx, dw, db, None, None, None, None
+            need=(need[0], need[1], bool(need[2]) and bias is not None), packed=packed,
+            xb=xb)
+        return dx, dw, db, None, None, None, None, None
 
 
 def _torch_grads(x, weight, bias, hyper, need, dy):
@@ -78,19 +111,35 @@ def _torch_grads(x, weight, bias, hyper, need, dy):
 
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """torch.nn.functional.conv2d on the TPP nests (see the module docstring)."""
+    return _conv2d(input, weight, bias, stride, padding, dilation, groups, None)
+
+
+def _conv2d(input, weight, bias, stride, padding, dilation, groups, packs):
     if not _servable(input, weight, bias):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
     squeeze = input.dim() == 3
     x = input.unsqueeze(0) if squeeze else input
-    y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups)
+    y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups, packs)
     return y.squeeze(0) if squeeze else y
 
 
 class Conv2d(torch.nn.Conv2d):
-    """torch.nn.Conv2d whose forward runs ops.conv (padding_mode "zeros"; others: torch)."""
+    """torch.nn.Conv2d whose forward runs ops.conv (padding_mode "zeros"; others: torch).
+    The weight is packed once and reused until it changes (its version counter: an in-place
+    update, e.g. an optimizer step, repacks at the next call; so does a new tensor)."""
+
+    _tpp_packs = None
 
     def forward(self, input):
         if self.padding_mode != "zeros":
             return super().forward(input)
-        return conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation,
-                      self.groups)
+        w = self.weight
+        packs = None
+        if w.is_cpu and w.dtype in _DTYPES and w.dim() == 4:
+            key = _weight_key(w)
+            packs = self._tpp_packs
+            if packs is None or packs.key != key:
+                # src shares the weight's storage: holding it keeps the address from reuse
+                packs = self._tpp_packs = _Packs(key, w.detach())
+        return _conv2d(input, w, self.bias, self.stride, self.padding, self.dilation,
+                       self.groups, packs)

@@ -60,6 +60,7 @@ def test_forward_backward_f32(case):
     (2, 6, 10, 6, 7, (3, 3), 1, 1, 1, 1),
     (1, 20, 8, 9, 8, (3, 3), 2, 1, 1, 1),
     (1, 3, 8, 12, 12, (7, 7), 2, 3, 1, 1),
+    (2, 6, 10, 6, 7, (1, 1), 1, 0, 1, 1),        # 1x1 stride 1: one row of pixels
 ], ids=_ids)
 def test_bf16(case):
     n, c, k, h, w, (r, s), stride, padding, dilation, groups = case
@@ -190,3 +191,106 @@ def test_blocked_chain():
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ArgumentError):
         conv.conv2d_blocked(xb, w1, padding=0)          # stored frame is 1
+
+
+def test_module_weight_cache(monkeypatch):
+    """Conv2d packs its weight once, repacks after an in-place update (version counter) or a
+    new parameter, and its gradients stay right across optimizer steps."""
+    from ops import conv
+    torch.manual_seed(5)
+    mine = tc.Conv2d(6, 8, 3, stride=2, padding=1)
+    ref = torch.nn.Conv2d(6, 8, 3, stride=2, padding=1)
+    ref.load_state_dict(mine.state_dict())
+    calls = []
+    real = conv.pack_weight
+    monkeypatch.setattr(conv, "pack_weight",
+                        lambda *a, **k: calls.append(k.get("transposed", False)) or real(*a, **k))
+    x = torch.randn(2, 6, 9, 9)
+    for _ in range(3):
+        torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+    assert calls == [False]
+    opt_m = torch.optim.SGD(mine.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ym, yr = mine(xm), ref(xr)
+        torch.testing.assert_close(ym, yr, atol=1e-4, rtol=1e-4)
+        dy = torch.randn(yr.shape)
+        ym.backward(dy)
+        yr.backward(dy)
+        torch.testing.assert_close(xm.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.weight.grad, ref.weight.grad, atol=1e-4, rtol=1e-4)
+        opt_m.step()
+        opt_r.step()
+        opt_m.zero_grad()
+        opt_r.zero_grad()
+    # one forward and one transposed pack per weight version (the first forward's version
+    # was reused by the first step; each optimizer step made a new one)
+    assert calls.count(True) == 3 and calls.count(False) == 3
+    with torch.no_grad():
+        mine.weight.mul_(2)
+        ref.weight.mul_(2)
+    torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+    mine.weight = torch.nn.Parameter(torch.randn(8, 6, 3, 3))
+    ref.weight = torch.nn.Parameter(mine.weight.detach().clone())
+    torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+    assert calls.count(False) == 5
+    # a weight changed in place between forward and backward: torch's usual error
+    y = mine(x.clone().requires_grad_())
+    with torch.no_grad():
+        mine.weight.add_(1)
+    with pytest.raises(RuntimeError):
+        y.sum().backward()
+
+
+def test_packed_and_saved_arguments():
+    from ops import conv
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 5, 8, 8), np.float32)
+    w = rng.standard_normal((7, 5, 3, 3), np.float32)
+    dy = rng.standard_normal((2, 7, 4, 4), np.float32)
+    kw = dict(stride=2, padding=1)
+    y = ops.conv2d(x, w, **kw)
+    np.testing.assert_allclose(ops.conv2d(x, w, packed=conv.pack_weight(w, 1, tpp.F32), **kw),
+                               y, rtol=1e-5, atol=1e-5)
+    geo = conv.geometry(x.shape, w.shape, tpp.F32, 2, 1, 1, 1)
+    want = ops.conv2d_backward(dy, x, w, **kw)
+    got = ops.conv2d_backward(dy, x, w, packed=conv.pack_weight(w, 1, tpp.F32, transposed=True),
+                              xb=conv.to_blocked(x, geo), **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ArgumentError):
+        ops.conv2d(x, w, packed=conv.pack_weight(w, 1, tpp.F32, transposed=True), **kw)
+    with pytest.raises(ArgumentError):
+        ops.conv2d_backward(dy, x, w, packed=conv.pack_weight(w, 1, tpp.F32), **kw)
+    with pytest.raises(ArgumentError):
+        ops.conv2d_backward(dy, x, w, xb=conv.blocked(x, padding=0), **kw)
+
+
+def test_bench_conv_tiny(tmp_path, capsys, monkeypatch):
+    """tpp-bench conv --tiny: GFLOP/s records of tpp and torch for every layer, pass and
+    dtype, with peak fractions and the ratio to torch, the forward verified."""
+    import json
+    from bench import cli
+    from bench.suites import conv as suite
+    monkeypatch.setenv("TPP_CACHE_DIR", str(tmp_path / "tpp-cache"))
+    threads = torch.get_num_threads()
+    path = tmp_path / "out.json"
+    try:
+        rc = cli.main(["conv", "--tiny", "-q", "--plain", "--json", str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    out, _ = capsys.readouterr()
+    assert rc == 0 and "conv" in out
+    records = [r for r in json.loads(path.read_text()) if r["suite"] == "conv"]
+    got = {(r["case"].rsplit(" ", 1)[0], r["provider"]): r for r in records}
+    for layer in suite.TINY:
+        for dtype in ("f32", "bf16"):
+            for kind in ("fwd", "train"):
+                rec = got[f"{layer} {kind} {dtype}", "tpp"]
+                assert rec["unit"] == "GFLOP/s" and rec["median"] > 0
+                assert rec["peak_fraction"] is not None
+                assert (f"{layer} {kind} {dtype}", "torch") in got
+                assert "torch" in rec["ratios"]
+                if kind == "fwd":
+                    assert rec["extra"]["verified"] is True
