@@ -19,7 +19,7 @@ full block get kernels of their own sizes (the weight's shape is fixed), so any 
 without padding the input.
 
 Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows,
-bn = the weight's panel width (64), kc = K up to 768, else 512-element chunks; bf16 output
+bn = the weight's panel width (64), kc = K up to 8192, else 4096-element chunks; bf16 output
 keeps K whole (a bf16 C cannot carry partial sums). None of it depends on M. Problems under
 4 MFLOP whose weight is under 1 MiB run on one thread (decided per call, `serial`): the team's
 wake-up would cost more than it saves; a larger weight is streamed by every core even at M = 1.
@@ -51,6 +51,13 @@ from .packing import PackedWeight, pack_kn, pack_nk
 _SERIAL_FLOPS = 4e6
 _PARALLEL_BYTES = 1 << 20   # a weight this large runs on every thread (see serial)
 _OWN_PLANS = 16             # plans a PackedWeight keeps (start over when full)
+# K per BRGEMM call: whole up to 8192, else 4096-element chunks. Each K chunk is one pass over
+# C (loaded and stored again) and one barrier of the team; the kernel streams its B panel
+# (kc x 64) from L2 or L3 either way. f32, 1 thread, Zen 4, GFLOP/s by kc (medians of 5):
+# 2048^3: 512: 91, 1024: 98-100, 2048: 104; 4096x4096x1024: 512: 88, 1024: 97, 4096: 105;
+# 1024x8192x1024: 1024: 106, 8192: 110 (OpenBLAS: 94-100).
+_WHOLE_K = 8192
+_KC = 4096
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,10 @@ class Blocking:
 
 
 def choose_blocking(k: int, dtype_out: _dt.DType) -> Blocking:
-    """64 rows; K whole up to 768 (or for a bf16 output), else chunks of 512."""
-    if dtype_out == _dt.BF16 or k <= 768:
+    """64 rows; K whole up to _WHOLE_K (always for a bf16 output), else chunks of _KC."""
+    if dtype_out == _dt.BF16 or k <= _WHOLE_K:
         return Blocking(64, k)
-    return Blocking(64, 512)
+    return Blocking(64, _KC)
 
 
 def _as_blocking(bl):
@@ -97,8 +104,12 @@ def _positive(value, what):
 
 
 @functools.lru_cache(maxsize=256)
-def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
-    """The compiled nest computing y (M, n) = act(x (M, k) @ packed + bias), for any M."""
+def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking, keep=False):
+    """The compiled nest computing y (M, n) = act(x (M, k) @ packed + bias), for any M.
+    keep: the nest computes z = x @ packed + bias into its third tensor and y = act(z) into
+    a last one (after the bias), the activation as a unary TPP on each output tile right
+    after the tile's last BRGEMM (while the tile is in cache): a training forward's two
+    outputs in one pass."""
     bm, kc = bl.bm, bl.kc
     m = tpp.size("M")
     rows_loop, levels, row_cases = row_blocks(m, bm)
@@ -112,6 +123,7 @@ def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
     w = nest.tensor("w", (blocks_n, (k + 1) // 2, 2 * bn) if vnni else (blocks_n, k, bn), dtype)
     y = nest.tensor("y", (m, n), dtype_out)
     bias_t = nest.tensor("bias", (n,), dtype_out) if bias else None
+    act_t = nest.tensor("act", (m, n), dtype_out) if keep else None
 
     if chunks == 1:
         k_cases = [(k, 0, True, ())]
@@ -126,11 +138,15 @@ def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking):
                     rows, cols, depth, lda=k, ldb=2 * bn if vnni else bn, ldc=n,
                     dtype_a=dtype, dtype_b=dtype, dtype_c=dtype_out, beta=beta, vnni_b=vnni,
                     bias="row" if (bias and last) else None,
-                    activation=activation if last else None)
+                    activation=activation if (last and not keep) else None)
                 w_at = w[c, a * (kc // 2)] if vnni else w[c, a * kc]
+                when = row_guard(r) + col_guard(c) + kcond
                 nest.call(spec, x[r, a * kc], w_at, y[r, c * bn],
-                          bias=bias_t[c * bn] if (bias and last) else None,
-                          when=row_guard(r) + col_guard(c) + kcond)
+                          bias=bias_t[c * bn] if (bias and last) else None, when=when)
+                if keep and last:
+                    act = tpp.make_unary(activation, rows, cols, ldi=n, ldo=n,
+                                         dtype_in=dtype_out, dtype_out=dtype_out)
+                    nest.call(act, y[r, c * bn], act_t[r, c * bn], when=when)
     return nest.compile()
 
 
@@ -177,6 +193,33 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **un
     plan = _plan(x2, packed, out_dtype, b is not None, activation, blocking, "x")
     y = plan.run(x2, packed, None, b, "x")
     return y if lead is None else y.reshape(*lead, packed.n)
+
+
+def linear_keep(x, packed, bias, activation):
+    """(z, act(z)) for z = x @ packed + bias, x (M, K) a 2-D array of the weight's dtype: both
+    in one nest (gemm_nest's keep), the activation applied to each output tile while it is in
+    cache (a training forward whose backward reads z: one pass less over z than linear then
+    ops.blocked.map_rows). Validated as ops.linear validates its calls; activation not None."""
+    x = _host.contiguous(_host.host(x, "x"))
+    if x.ndim != 2:
+        raise ArgumentError(f"x: expected a 2-D (M, K) array, got shape {tuple(x.shape)}")
+    # the plain linear's plan validates x, the weight and the bias (and is what a call
+    # without the activation runs); its thread rule and output dtype hold for this nest too
+    plan = _plan(x, packed, None, bias is not None, None, None, "x")
+    if activation is None or activation not in ACTIVATIONS:
+        raise ArgumentError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
+    m, n, k = x.shape[0], packed.n, packed.k
+    if bias is not None and not _dense(bias):
+        bias = _host.contiguous(_host.host(bias, "bias"))
+    dt = plan.dt_out
+    bl = _check_blocking(choose_blocking(k, dt), k, dt, dt == _dt.BF16)
+    nest = gemm_nest(n, k, packed.bn, packed.dtype, dt, bias is not None, activation, bl,
+                     keep=True)
+    z, y = _host.empty((m, n), dt, x), _host.empty((m, n), dt, x)
+    threads = 1 if m < plan.serial_rows else None
+    nest.call((x, packed.data, z, y) if bias is None else (x, packed.data, z, bias, y),
+              threads)
+    return z, y
 
 
 def serial(flops: float, nbytes: int) -> bool:

@@ -280,6 +280,46 @@ def test_count_zero(case):
     _run_case(case)
 
 
+# ---------------------------------------------------------------- register blocking
+def test_register_blocking_covers_c_and_caps_aliasing_rows():
+    """Every plan tiles C exactly once within the register budget; an A row stride that is a
+    multiple of 4 KiB (every row in one L1 set) caps the rows per tile at 6, 2 KiB at 12 (two
+    sets), and a transposed A (None) or a stride that spreads the rows leaves the cap off."""
+    from tpp_cpu.brgemm_blocking import plan
+
+    def rows_of(p):
+        return max(rg.rows for rg in p.row_groups)
+
+    for m, n in itertools.product((1, 5, 16, 17, 64, 65, 100), (1, 16, 17, 64, 100)):
+        for lanes, regs in ((16, 32), (8, 16)):
+            for a_row_bytes in (None, 256, 2048, 4096, 8192, 4000):
+                p = plan(m, n, lanes, regs, 1, a_row_bytes)
+                assert sum(rg.rows * rg.count for rg in p.row_groups) == m
+                covered = sum(cg.count * cg.vectors * lanes for cg in p.col_groups)
+                assert covered - (lanes - p.col_groups[-1].tail) == n
+                for rg, cg in p.tiles():
+                    assert rg.rows * cg.vectors + cg.vectors + 2 <= regs   # one spare
+    assert rows_of(plan(64, 64, 16, 32, 1, 4096)) == 6
+    assert rows_of(plan(64, 64, 16, 32, 1, 8192)) == 6
+    assert 6 < rows_of(plan(64, 16, 16, 32, 1, 2048)) <= 12      # 64 = 4 x 11 + 2 x 10
+    assert rows_of(plan(64, 16, 16, 32, 1, None)) > 12
+    assert rows_of(plan(64, 16, 16, 32, 1, 4000)) > 12      # not a multiple of a line
+    assert rows_of(plan(16, 16, 16, 32, 1, 64)) == 16        # the 16^3 BRGEMM: one 16x1 tile
+
+
+@pytest.mark.parametrize("case", [
+    # lda = 1024 f32 (4 KiB): 6-row tiles; n = 70: a 4-vector tile and a masked 1-vector tail
+    Case(40, 70, 30, "stride", 2, 1, "plain", ("f32",) * 3, 994, ("row", "gelu", False)),
+    # lda = 2048 bf16 (4 KiB), VNNI B, f32 C
+    Case(13, 33, 8, "stride", 3, 0, "vnni", ("bf16", "bf16", "f32"), 2040),
+    # a transposed A with a 4 KiB stride: no cap (a k step reads one row of A^T)
+    Case(20, 17, 9, "stride", 2, 1, "ta", ("f32",) * 3, 1004),
+], ids=str)
+def test_aliasing_lda(case):
+    """A row strides that alias in L1 take the capped tiles; results as in the sweep."""
+    _run_case(case)
+
+
 # ---------------------------------------------------------------- call forms
 def test_raw_stride_path():
     """kern.raw(a, b, c, bias, mask, count, stride_a, stride_b) with plain addresses and element

@@ -13,8 +13,8 @@ bf16 output then rounds to nearest: half an ulp, 2^-8 relative.
 
 Shapes are few on purpose: every distinct problem compiles one loop nest (0.1 to 1.5 s here).
 Sizes 65, 70, 130, 200 leave row and column remainders (bm = bn = 64); K = 1100 with an f32
-output runs 512-element chunks: first (beta 0), middle (beta 1), and a 76-deep last chunk with
-the epilogue.
+output and blocking kc = 512 runs three chunks: first (beta 0), middle (beta 1), and a 76-deep
+last chunk with the epilogue (the default keeps K whole up to 8192).
 """
 import importlib
 
@@ -33,6 +33,7 @@ matmul_mod = importlib.import_module("ops.matmul")   # `ops.matmul` is the funct
 packing_mod = importlib.import_module("ops.packing")
 
 BF16 = tpp.BF16.numpy
+TORCH_NAME = {"f32": "float32", "bf16": "bfloat16"}
 U = 2.0 ** -24
 SLOPE = {None: 1.0, "relu": 1.0, "gelu": 1.13, "sigmoid": 0.25, "tanh": 1.0}
 ACT_REL = {None: 0.0, "relu": 0.0, "gelu": 1e-6, "sigmoid": 1e-6, "tanh": 1e-6}
@@ -104,11 +105,12 @@ MATMUL_CASES = [
     (65, 1, 130, "f32", None, True, "relu", None),           # a single column
     (70, 65, 1, "f32", None, True, "sigmoid", None),         # K = 1
     (130, 200, 100, "f32", None, False, None, None),         # remainders both ways, 12 tiles
-    (65, 70, 1100, "f32", None, True, "gelu", None),         # 3 K chunks: 512 x 2 + 76
-    (3, 5, 1300, "f32", None, False, "tanh", None),          # 3 chunks, tiny tiles
+    (65, 70, 1100, "f32", None, True, "gelu", ops.Blocking(64, 512)),  # 3 chunks: 512 x 2 + 76
+    (65, 70, 1100, "f32", None, True, "gelu", None),         # the default: K whole
+    (3, 5, 1300, "f32", None, False, "tanh", ops.Blocking(64, 512)),    # 3 chunks, tiny tiles
     (70, 130, 200, "bf16", None, True, "relu", None),        # bf16 in, bf16 out
     (33, 20, 67, "bf16", None, False, "gelu", None),         # odd K: a padded VNNI pair
-    (65, 70, 1100, "bf16", "f32", True, "tanh", None),       # bf16 in, f32 out, K chunks
+    (65, 70, 1100, "bf16", "f32", True, "tanh", ops.Blocking(64, 512)),  # bf16 -> f32, chunks
     (50, 70, 100, "f32", None, True, None, ops.Blocking(7, 33)),     # 33, 33, 33, 1
     (5, 9, 4, "f32", None, False, "relu", ops.Blocking(1, 1)),       # every K step a chunk
     (40, 30, 130, "f32", None, False, None, ops.Blocking(16, 100)),  # first + last, no middle
@@ -176,8 +178,8 @@ def test_choose_blocking():
     f32, bf = tpp.F32, tpp.BF16
     # 64 rows whatever M is (one nest serves every M); K chunks depend on K only
     assert ops.choose_blocking(1, f32) == ops.Blocking(64, 1)
-    assert ops.choose_blocking(768, f32) == ops.Blocking(64, 768)
-    assert ops.choose_blocking(769, f32) == ops.Blocking(64, 512)
+    assert ops.choose_blocking(8192, f32) == ops.Blocking(64, 8192)
+    assert ops.choose_blocking(8193, f32) == ops.Blocking(64, 4096)
     assert ops.choose_blocking(1100, bf) == ops.Blocking(64, 1100)   # bf16 out: K whole
 
 
@@ -441,6 +443,25 @@ def test_mlp_backward_selected_gradients_numpy():
     assert dx is None and db is None
     dz = np.where(x.astype(np.float64) @ w.T + b > 0, dy, 0)
     _assert_gemm(dw, dz.T, x)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("m", [1, 255, 256, 600])
+def test_weight_grad_steps_of_m(m, dtype):
+    """dw = dz.T @ x sums M in 256-row steps (the first writes dw, the later add, the tail has
+    a count of its own): one step, a tail alone, exactly one full step, two full steps and a
+    tail; f32 sums, a bf16 result rounded once. Numpy and torch arrays."""
+    wg = importlib.import_module("ops.mlp").weight_grad
+    rng = np.random.default_rng(m)
+    n, k = 70, 130                          # remainders of 64 both ways
+    dz, x = _data(rng, (m, n), dtype, m ** -0.25), _data(rng, (m, k), dtype, m ** -0.25)
+    dw = wg(dz, x)
+    assert dw.dtype == _np(dtype) and dw.shape == (n, k)
+    _assert_gemm(dw, dz.T, x, dtype_out=dtype)
+    tdw = wg(torch.from_numpy(dz.astype(np.float32)).to(getattr(torch, TORCH_NAME[dtype])),
+             torch.from_numpy(x.astype(np.float32)).to(getattr(torch, TORCH_NAME[dtype])))
+    assert isinstance(tdw, torch.Tensor)
+    assert np.array_equal(tdw.float().numpy(), dw.astype(np.float32))
 
 
 # --- errors ----------------------------------------------------------------------------------

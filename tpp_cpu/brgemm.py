@@ -1,7 +1,8 @@
 """The BRGEMM generator: a register-blocked microkernel whose accumulators live in registers
 across the whole batch.
 
-Shape of the code (see brgemm_blocking for the tile sizes):
+Shape of the code (see brgemm_blocking for the tile sizes, chosen per ISA register count,
+shape and A's row stride):
 
     for each row group, for each tile of rows:                 (loops; A's rows stay in L1
       for each column group, for each tile of columns:          across the column tiles)
@@ -19,7 +20,28 @@ VNNI B, a pair of k steps is one `vdpbf16ps` instead. A transposed B is read wit
 columns are strided), correct but slower than packing B with the transpose TPP first.
 
 No software prefetch: prefetching the next pair's B rows measured 4-6% slower on Zen 3 (the
-blocks are cache-resident and the prefetches compete for the load ports).
+blocks are cache-resident and the prefetches compete for the load ports), and prefetching A's
+rows 64-256 elements ahead in the k loop changed nothing measurable on Zen 4 (ops.matmul at
+2048^3, 1 thread: within +-2%, the run-to-run noise).
+
+Instruction budget of the inner loop (f32, counted in Kernel.dump("asm"), LLVM 22, Zen 4), per
+vector FMA:
+  AVX-512 (32 zmm), 6x4 tile (64x64 and larger blocks): one k-loop iteration of 8 steps is
+    192 vfmadd231ps, 32 B loads (vmovups), 48 vbroadcastss of A and 9 instructions of loop
+    and address arithmetic: 1.46 instructions, 0.42 loads (0.17 B + 0.25 A) and 0.05
+    overhead per FMA. 11x2 tile (32x32): 176 FMAs, 16 + 88 loads, 9 others: 1.64
+    instructions, 0.59 loads. 16x1 tile (16x16, k <= 16: no k loop): each A element is a
+    broadcast operand of its FMA (vfmadd231ps mem{1to16}), 256 FMAs, 16 B loads and 10
+    instructions of batch loop per pair: 1.10 instructions, 1.06 loads per FMA. bf16 VNNI
+    (vdpbf16ps, 6x4): 1.51 instructions, 0.42 loads per dot (two k steps).
+  AVX2 (16 ymm), 6x2 tile: one iteration of 8 steps is 96 FMAs, 16 B loads, 48 broadcasts
+    and 9 instructions: 1.76 instructions, 0.67 loads (0.17 B + 0.50 A) and 0.09 overhead per
+    FMA; 16x16 (6x2 and 5x2 tiles, no k loop): 1.72 instructions, 0.67 loads.
+The per-call cost on top (C tile zeroed or loaded, stored; pointers per pair) is < 1% of a
+16^3 x32 call's FMAs; what remains measurable for small calls is the caller's: from Python a
+raw call costs ~0.5 us (cffi, 8 arguments), 18% of a 16^3 x32 call, which reaches 94-98% of the
+FMA peak when called from native code (a LoopNest), 77-81% through Kernel.raw from Python
+(bench/suites/brgemm.py reports both).
 """
 from __future__ import annotations
 
@@ -55,7 +77,8 @@ class _Generator:
         self.step = 2 if spec.vnni_b else 1     # k values per step (one B row)
         registers = 32 if target.lanes == 16 else 16
         widened = 2 if (spec.vnni_b and not self.dot) else 1
-        self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened)
+        a_row_bytes = None if spec.trans_a else spec.lda * spec.dtype_a.itemsize
+        self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened, a_row_bytes)
         # (op info, params) of the epilogue's activation
         self.activation = None if spec.activation is None else \
             optable.epilogue(spec.activation, spec.bitmask)

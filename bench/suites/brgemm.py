@@ -10,7 +10,13 @@ is free). A record's shape is [m, n, k, batch]; its GFLOP/s counts 2*m*n*k*batch
 read once, C written once, the bias row), the denominator of its arithmetic intensity.
 
 tpp runs through the raw-pointer path in a loop (`Kernel.raw`), B packed to VNNI-2 beforehand
-for bf16. The references compute the same sum as ONE GEMM: C = A_cat @ B_cat with
+for bf16. That path pays one Python -> C call (cffi, 8 arguments: ~0.5 us on Zen 4 in a VM) per
+BRGEMM, a large share of a small one (16^3 x32 is ~2.3 us of FMAs). So that the kernel's own
+rate shows too, the same kernel also runs from native code: a LoopNest calling it NATIVE_REPEAT
+times on the same operands, timed in the same interleaved rounds; tpp's record carries
+extra["native"] (its GFLOP/s and peak_fraction) and extra["call_us"] (a raw call with count 0:
+the call itself and the tile's epilogue, the C tile zeroed, finished and stored), and a note
+prints both. The references compute the same sum as ONE GEMM: C = A_cat @ B_cat with
 A_cat = A.transpose(1, 0, 2).reshape(m, batch*k) (laid out once, outside the timed loop, as
 tpp's VNNI packing is) and B_cat = B.reshape(batch*k, n), a view. That is the strongest fair
 formulation: a single BLAS/oneDNN call with the reduction inside its k loop, no batched
@@ -63,6 +69,7 @@ CASES = (Case("f32", 64, 64, 64, 16), Case("f32", 32, 32, 32, 32), Case("f32", 1
          Case("bf16 vnni", 64, 64, 64, 16, dtype="bf16"),
          Case("f32 bias+gelu", 64, 64, 64, 16, epilogue=True))
 PLAIN = CASES[0]            # the epilogue case's baseline (same shape, no epilogue)
+NATIVE_REPEAT = 256         # kernel calls per call of the native-loop nest
 
 
 @register("brgemm", default=True, requires=("peak",),
@@ -103,7 +110,7 @@ def _run_case(ctx, case: Case, rng):
     """Measure every provider on one case; returns tpp's record (or None)."""
     label = f"brgemm {case.name} {'x'.join(map(str, case.shape))}"
     d = _data(case, rng)
-    runs, outs, kernel, b_stored = {}, {}, None, None
+    runs, outs, kernel, b_stored, internal = {}, {}, None, None, {}
     if ctx.wants("tpp"):
         try:
             kernel, b_stored = _tpp_kernel(case, d["b"])
@@ -112,6 +119,16 @@ def _run_case(ctx, case: Case, rng):
         except Exception as exc:  # noqa: BLE001 - e.g. the generator is not there yet
             ctx.failed(f"{label} tpp", exc)
             kernel = None
+        if kernel is not None:
+            try:    # measured with the providers, reported in tpp's record (not providers)
+                internal["native"] = _tpp_native(case, kernel, d["a"], b_stored, d["bias"])
+                # its own C, kept alive here: the raw calls hold only its address
+                outs["tpp call"] = c0 = empty((case.m, case.n))
+                internal["call"] = _tpp_run(case, kernel, d["a"], b_stored, c0, d["bias"],
+                                            count=0)
+                runs.update({f"tpp {k}": v for k, v in internal.items()})
+            except Exception as exc:  # noqa: BLE001
+                ctx.failed(f"{label} tpp native loop", exc)
     if ctx.wants("numpy") and not case.epilogue:
         outs["numpy"] = c = empty((case.m, case.n))
         runs["numpy"] = looped(functools.partial(np.matmul, out=c), d["a_cat"], d["b_cat"])
@@ -124,10 +141,14 @@ def _run_case(ctx, case: Case, rng):
     notes = {"numpy": {"computed_on": "f32 copies (numpy has no bf16 matmul)"},
              "torch": {"computed_on": "bfloat16 tensors, bf16 C"}} if case.dtype == "bf16" else {}
     ours = None
-    for provider, stats in timed_group(ctx, label, runs).items():
+    results = timed_group(ctx, label, runs)
+    native, call = (results.pop(f"tpp {k}", None) for k in ("native", "call"))
+    for provider, stats in results.items():
         extra = dict(notes.get(provider, {}))
         if provider == "tpp":
             extra["path"] = "raw"
+            if native is not None and call is not None:
+                extra.update(_native_extra(ctx, label, case, stats, native, call))
             if ctx.config.verify:
                 extra["verified"] = _verify(ctx, label, kernel, d, b_stored, outs["tpp"])
         r = compute_record(ctx, suite="brgemm", case=case.name, provider=provider,
@@ -153,11 +174,52 @@ def _tpp_kernel(case: Case, b):
     return kernel, b
 
 
-def _tpp_run(case: Case, kernel, a, b, c, bias):
-    """run(k): k raw calls of the kernel over the whole batch (strides in elements)."""
+def _tpp_run(case: Case, kernel, a, b, c, bias, count=None):
+    """run(k): k raw calls of the kernel over the whole batch (strides in elements); the
+    caller keeps the arrays alive (run holds their addresses only)."""
     bias_addr = bias.ctypes.data if case.epilogue else 0
     return looped(kernel.raw, a.ctypes.data, b.ctypes.data, c.ctypes.data, bias_addr, 0,
-                  case.count, a[0].size, b[0].size)
+                  case.count if count is None else count, a[0].size, b[0].size)
+
+
+def _tpp_native(case: Case, kernel, a, b, bias):
+    """run(k): k calls of a LoopNest that calls the kernel NATIVE_REPEAT times over the whole
+    batch (the same operands each time; its own C), on one thread."""
+    import tpp
+    nest = tpp.LoopNest("a", a=NATIVE_REPEAT)
+    count = case.count
+    ta = nest.tensor("a", (count * a.shape[1], a.shape[2]), kernel.spec.dtype_a)
+    tb = nest.tensor("b", (count * b.shape[1], b.shape[2]), kernel.spec.dtype_b)
+    tc = nest.tensor("c", (case.m, case.n), kernel.spec.dtype_c)
+    tbias = nest.tensor("bias", (case.n,), kernel.spec.dtype_c) if case.epilogue else None
+    nest.call(kernel.spec, ta[0, 0], tb[0, 0], tc[0, 0], count=count, stride_a=a[0].size,
+              stride_b=b[0].size, bias=tbias[0] if case.epilogue else None)
+    fn = nest.compile()
+    args = [a.reshape(ta.tensor.shape), b.reshape(tb.tensor.shape), empty((case.m, case.n))]
+    if case.epilogue:
+        args.append(bias)
+
+    def run(k):
+        for _ in range(k):
+            fn(*args, threads=1)
+    return run
+
+
+def _native_extra(ctx, label, case: Case, raw, native, call) -> dict:
+    """tpp's extra fields from the native loop's and the empty call's Stats, and a note."""
+    gflops = case.flops * NATIVE_REPEAT / native.median / 1e9
+    peak = ctx.peaks.get(case.dtype)
+    call_us = call.median * 1e6
+    share = call.median / raw.median
+    text = (f"{label} tpp: {gflops:.1f} GFLOP/s in a native loop (a LoopNest of "
+            f"{NATIVE_REPEAT} calls)")
+    if peak:
+        text += f", {gflops / peak:.0%} of the peak"
+    ctx.note(f"{text}; a raw call from Python costs {call_us:.2f} us ({share:.0%} of one "
+             f"call)")
+    return {"native": {"gflops": gflops, "peak_fraction": gflops / peak if peak else None,
+                       "repeat": NATIVE_REPEAT, "time_median_s": native.median},
+            "call_us": call_us}
 
 
 def _torch_run(torch, case: Case, d: dict):
