@@ -241,3 +241,39 @@ def test_generated_nest_keeps_compile_time_kernels():
     assert "call void" in nest.dump("ir")
     mm = tpp.make_brgemm(64, 64, 64, lda=64, ldb=64, ldc=64)
     assert "vfmadd" in tpp.kernel(mm).dump("asm")
+
+
+def test_a_size_only_seeds_use_does_not_redo_the_bounds_check(monkeypatch):
+    """A per-call seed passed as a size moves no address: a new seed value needs no new
+    bounds check; a size that also moves an address still does."""
+    import tpp.loops as loops
+    M, S = tpp.size("M"), tpp.size("S")
+    nest = tpp.LoopNest("a", a=M)
+    x, y = nest.tensor("x", (M, 16)), nest.tensor("y", (M, 16))
+    mask = nest.tensor("mask", (M, 2), "u8")
+    a, = nest.vars
+    nest.call(tpp.unary("dropout", 1, 16, p=0.5), x[a], y[a], mask[a], seed=S + a)
+    run = nest.compile()
+    assert run._seed_only == {"S"}
+    calls = []
+    real = loops.loop_bounds.check
+    monkeypatch.setattr(loops.loop_bounds, "check",
+                        lambda *args: (calls.append(args), real(*args))[1])
+    xa = np.ones((3, 16), np.float32)
+    outs = []
+    for seed in (1, 2, 3):
+        ya, m = np.zeros_like(xa), np.zeros((3, 2), np.uint8)
+        run(xa, ya, m, S=seed)
+        outs.append(m.copy())
+    assert len(calls) == 1
+    assert not all(np.array_equal(outs[0], o) for o in outs[1:])   # the seed still arrives
+    run(np.ones((4, 16), np.float32), np.zeros((4, 16), np.float32),
+        np.zeros((4, 2), np.uint8), S=1)
+    assert len(calls) == 2                                          # a new M is checked
+    both = tpp.LoopNest("a", a=M)
+    xs, ys = both.tensor("x", (M, 16)), both.tensor("y", (M, 16))
+    ms = both.tensor("mask", (M, 2), "u8")
+    b, = both.vars
+    both.call(tpp.unary("dropout", 1, 16, p=0.5), xs[b], ys[b], ms[b], seed=S + b,
+              when=(b < S))
+    assert both.compile()._seed_only == frozenset()

@@ -225,6 +225,7 @@ class CompiledNest:
         self._threads = threads
         self.names = tuple(t.name for t in spec.tensors)
         self.sizes = spec.sizes
+        self._seed_only = _seed_only_sizes(spec)
         written = set()
         for call in spec.calls:
             for arg, op in zip(call.args, raw_operands(call.spec)):
@@ -336,13 +337,14 @@ class CompiledNest:
             if want != shape:
                 note = f" (with {where})" if tensor.symbolic else ""
                 raise ArgumentError(f"{tensor.name}: expected shape {want}, got {shape}{note}")
-        key = tuple(values[name] for name in self.sizes)
-        if key not in self._checked:
+        # sizes that only seeds use move no address: a new seed needs no new bounds check
+        checked = tuple(values[name] for name in self.sizes if name not in self._seed_only)
+        if checked not in self._checked:
             loop_bounds.check(self.spec, env, ArgumentError)
             if len(self._checked) >= self._MEMO:
                 self._checked.clear()
-            self._checked.add(key)
-        return key
+            self._checked.add(checked)
+        return tuple(values[name] for name in self.sizes)
 
     def _remember(self, shapes, values, nbytes):
         """Let the fast path take arrays of these shapes (validated with these sizes)."""
@@ -493,6 +495,23 @@ _TORCH_PLAIN: dict = {}     # torch.Tensor and torch.nn.Parameter -> torch.strid
 
 _DATA_FIELD, _DATA_OFFSET = arrays._DATA_FIELD, arrays._DATA_OFFSET   # (arrays.address)
 _get_ident = threading.get_ident
+
+
+def _seed_only_sizes(spec: LoopNestSpec) -> frozenset:
+    """The sizes that only calls' seed arguments use (a per-call seed passed as a size): they
+    take part in no loop bound, shape, address, count or condition."""
+    seeds, other = [], [lp.stop for lp in spec.loops if lp.symbolic]
+    other += [d for t in spec.tensors for d in t.shape if isinstance(d, Affine)]
+    for call in spec.calls:
+        other += [c.expr for c in call.when]
+        names = call.spec.scalars
+        first_scalar = len(call.args) - len(names)
+        for k, a in enumerate(call.args):
+            if a is None:
+                continue
+            seed = k >= first_scalar and names[k - first_scalar] == "seed"
+            (seeds if seed else other).append(a.offset if isinstance(a, Address) else a)
+    return frozenset(_sizes_in(seeds) - _sizes_in(other))
 
 
 def _learn_torch() -> bool:
