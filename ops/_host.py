@@ -95,3 +95,13 @@ def rows(x, k: int, name: str):
         m *= d
     x = contiguous(x)
     return x.reshape(m, k), lead
+
+
+def weight_key(w) -> tuple:
+    """What identifies a torch weight's values to a packed copy of it: storage address, version
+    counter (in-place writes bump it), dtype, shape and strides. An inference tensor (made
+    under torch.inference_mode) has no version counter: its key is new at every call, so its
+    packed copy is rebuilt each time rather than trusted after a write it cannot see."""
+    if w.is_inference():
+        return (w.data_ptr(), object(), w.dtype, w.shape, w.stride())
+    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())

@@ -58,10 +58,7 @@ _TORCH_ACTIVATION = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.fun
                      "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
-def _weight_key(w):
-    """What identifies a weight's values to the packed copy: storage address, version counter
-    (in-place writes bump it), dtype, shape and strides."""
-    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+_weight_key = _host.weight_key      # (storage, version counter, dtype, shape, strides)
 
 
 def _check_tensor(t, name):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import conv as _c
+from ._host import weight_key as _weight_key
 
 __all__ = ["Conv2d", "conv2d", "Conv2dFunction"]
 
@@ -55,8 +56,6 @@ class _Packs:
         self.key, self.src, self.forward, self.transposed = key, src, None, None
 
 
-def _weight_key(w):
-    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
 
 
 class Conv2dFunction(torch.autograd.Function):

@@ -581,3 +581,14 @@ def test_function_apply_shortcut_matches_function_apply(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="setup_context"):
         torch.func.vmap(ours)(torch.randn(2, 3, 16))
+
+
+def test_linear_made_under_inference_mode_sees_in_place_writes():
+    """Inference tensors have no version counter: the packed weight is rebuilt per call."""
+    import ops.torch as ot
+    with torch.inference_mode():
+        layer = ot.Linear(8, 4)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
