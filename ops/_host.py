@@ -6,6 +6,7 @@ helpers allocate, view and validate without copying where the layout allows.
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 
 import numpy as np
@@ -105,3 +106,16 @@ def weight_key(w) -> tuple:
     if w.is_inference():
         return (w.data_ptr(), object(), w.dtype, w.shape, w.stride())
     return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+
+
+def finite_number(value, name: str) -> float:
+    """A finite real number (not a bool) as a float; ArgumentError otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ArgumentError(f"{name} must be finite, got {value!r}")
+    return v

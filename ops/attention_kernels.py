@@ -211,7 +211,19 @@ def _seed(h, i, j):
     return lo + hi * (1 << 32)
 
 
-class Forward:
+class _Nest:
+    """A compiled nest (self.nest) with its tensors' names (self.names), run on arrays by
+    name; sizes the arrays do not give go as keywords."""
+
+    def run(self, arrays: dict, threads=None, **sizes):
+        args = [arrays[name] for name in self.names]
+        if sizes:
+            self.nest(*args, threads=threads, **sizes)
+        else:
+            self.nest.call(tuple(args), threads)
+
+
+class Forward(_Nest):
     """The forward nest of one Options: `run(arrays)` over one chunk of heads.
 
     Tensors (by name, in `names` order; f32 unless noted):
@@ -375,12 +387,6 @@ class Forward:
                               when=own + lcond + cond)
         self.nest = nest.compile()
 
-    def run(self, arrays: dict, threads=None, **sizes):
-        args = [arrays[name] for name in self.names]
-        if sizes:
-            self.nest(*args, threads=threads, **sizes)
-        else:
-            self.nest.call(tuple(args), threads)
 
 
 @functools.lru_cache(maxsize=64)
@@ -430,7 +436,7 @@ def delta_spec(d: int, dtype):
     return eq.spec(delta=eq.sum(eq.input("do", dtype=dtype) * eq.input("o", dtype=dtype), 1))
 
 
-class Backward:
+class Backward(_Nest):
     """The backward nest of one Options over one chunk of heads: `run(arrays)`.
 
     Parallel over the chunk's kv heads (loop a); per kv head, serial over key blocks j and
@@ -609,12 +615,6 @@ class Backward:
                 nest.call(to_out, gv, addr, when=last + cond)
         self.nest = nest.compile()
 
-    def run(self, arrays: dict, threads=None, **sizes):
-        args = [arrays[name] for name in self.names]
-        if sizes:
-            self.nest(*args, threads=threads, **sizes)
-        else:
-            self.nest.call(tuple(args), threads)
 
 
 @functools.lru_cache(maxsize=64)

@@ -234,16 +234,7 @@ def _dtype(x, name):
     return dt
 
 
-def _number(value, name):
-    if isinstance(value, (bool, np.bool_)):
-        raise ArgumentError(f"{name} must be a number, got {value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v):
-        raise ArgumentError(f"{name} must be finite, got {value!r}")
-    return v
+_number = _host.finite_number
 
 
 def _numpy(x):

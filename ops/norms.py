@@ -734,16 +734,7 @@ def _expand(mask, shape, m, n):
     return np.ascontiguousarray(np.broadcast_to(mask, shape)).reshape(m, n)
 
 
-def _number(value, name):
-    if isinstance(value, bool):
-        raise ArgumentError(f"{name} must be a number, got {value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(v):
-        raise ArgumentError(f"{name} must be finite, got {value!r}")
-    return v
+_number = _host.finite_number
 
 
 def softmax_backward(dy, y, scale=None, **unknown):
