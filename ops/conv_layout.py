@@ -1,0 +1,356 @@
+"""The data side of ops.conv: a layer's geometry, the blocked layouts of activations and
+weights, and the loop nests that convert NCHW arrays and torch-layout weights to and from them.
+
+Activations are [N][G*Cb][Hp][Wp][bc] with the padding stored as a zero border (so no filter
+tap needs border cases), weights [G*Kb][Cb][R][S][bc][bk] (VNNI pairs [bc/2][2*bk] for bf16),
+outputs [N][G*Kb][P][Q][bk]; channels are zero-padded per group to whole blocks of at most
+BLOCK. Every conversion is a nest of transpose / identity / vnni2 primitives.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import tpp
+from tpp import arrays, checks
+from tpp import dtypes as _dt
+from tpp.errors import ArgumentError
+
+from . import _host
+
+BLOCK = 64                  # channels per block (at most)
+PIXELS = 64                 # output pixels per BRGEMM (at most)
+_SERIAL_FLOPS = 4e6         # smaller problems run on one thread
+
+
+# ------------------------------------------------------------------ geometry
+@dataclass(frozen=True)
+class Geometry:
+    """One layer's static shape: everything a nest is compiled for (all but the batch)."""
+    c: int
+    k: int
+    h: int
+    w: int
+    r: int
+    s: int
+    groups: int
+    stride: tuple      # (sh, sw)
+    pad: tuple         # (top, bottom, left, right)
+    dilation: tuple    # (dh, dw)
+    dtype: _dt.DType
+
+    @property
+    def cg(self):
+        return self.c // self.groups
+
+    @property
+    def kg(self):
+        return self.k // self.groups
+
+    @property
+    def bc(self):
+        return block(self.cg, self.dtype)
+
+    @property
+    def bk(self):
+        return block(self.kg, self.dtype)
+
+    @property
+    def hp(self):
+        return self.h + self.pad[0] + self.pad[1]
+
+    @property
+    def wp(self):
+        return self.w + self.pad[2] + self.pad[3]
+
+    @property
+    def p(self):
+        return (self.hp - self.dilation[0] * (self.r - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def q(self):
+        return (self.wp - self.dilation[1] * (self.s - 1) - 1) // self.stride[1] + 1
+
+    def flops(self, n):
+        return 2.0 * n * self.k * self.p * self.q * self.cg * self.r * self.s
+
+
+def block(channels: int, dtype) -> int:
+    """Channels per block: min(64, channels), even for bf16 (VNNI pairs)."""
+    b = min(BLOCK, channels)
+    return b + (b % 2) if dtype == _dt.BF16 else b
+
+
+def _pair(v, what):
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ArgumentError(f"{what}: expected an int or a pair, got {v!r}")
+        vals = tuple(checks.as_int(x) for x in v)
+    else:
+        vals = (checks.as_int(v),) * 2
+    if any(x is None for x in vals) or isinstance(v, bool):
+        raise ArgumentError(f"{what}: expected an int or a pair of ints, got {v!r}")
+    return vals
+
+
+def _padding(padding, r, s, dilation, stride):
+    """(top, bottom, left, right) from an int, a pair, a 4-tuple, "same" or "valid"."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0, 0, 0)
+        if padding == "same":
+            if stride != (1, 1):
+                raise ArgumentError("padding='same' is not supported for strided convolutions")
+            th, tw = dilation[0] * (r - 1), dilation[1] * (s - 1)
+            return (th // 2, th - th // 2, tw // 2, tw - tw // 2)
+        raise ArgumentError(f"padding: expected an int, a pair, 'same' or 'valid', got "
+                            f"{padding!r}")
+    if isinstance(padding, (tuple, list)) and len(padding) == 4:
+        vals = tuple(checks.as_int(x) for x in padding)
+        if any(x is None or x < 0 for x in vals):
+            raise ArgumentError(f"padding: expected non-negative ints, got {padding!r}")
+        return vals
+    ph, pw = _pair(padding, "padding")
+    if ph < 0 or pw < 0:
+        raise ArgumentError(f"padding must be non-negative, got {padding!r}")
+    return (ph, ph, pw, pw)
+
+
+def geometry(x_shape, w_shape, dtype, stride, padding, dilation, groups) -> Geometry:
+    """The layer's Geometry after validating the shapes and hyper-parameters."""
+    if len(x_shape) != 4:
+        raise ArgumentError(f"x: expected a 4-D (N, C, H, W) array, got shape {x_shape}")
+    if len(w_shape) != 4:
+        raise ArgumentError(f"weight: expected a 4-D (K, C/groups, R, S) array, got shape "
+                            f"{w_shape}")
+    g = checks.as_int(groups)
+    if g is None or g < 1 or isinstance(groups, bool):
+        raise ArgumentError(f"groups must be a positive int, got {groups!r}")
+    stride = _pair(stride, "stride")
+    dilation = _pair(dilation, "dilation")
+    if min(stride) < 1 or min(dilation) < 1:
+        raise ArgumentError(f"stride and dilation must be >= 1, got {stride}, {dilation}")
+    _, c, h, w = x_shape
+    k, cg, r, s = w_shape
+    if min(k, cg, r, s) < 1:
+        raise ArgumentError(f"weight: empty shape {w_shape}")
+    if c != cg * g or k % g:
+        raise ArgumentError(f"x has {c} channels and the weight {w_shape} with groups={g}: "
+                            f"expected C = {cg}*groups and K divisible by groups")
+    if h < 1 or w < 1:
+        raise ArgumentError(f"x: empty image {x_shape}")
+    pad = _padding(padding, r, s, dilation, stride)
+    geo = Geometry(c, k, h, w, r, s, g, stride, pad, dilation, dtype)
+    if geo.p < 1 or geo.q < 1:
+        raise ArgumentError(f"the kernel {r}x{s} (dilation {dilation}) is larger than the "
+                            f"padded input {geo.hp}x{geo.wp}")
+    return geo
+
+
+# ------------------------------------------------------------------ layout objects
+@dataclass(frozen=True, eq=False)
+class BlockedActivation:
+    """Activations [N][groups*Cb][H + top + bottom][W + left + right][bc], channels of each
+    group zero-padded to Cb blocks of bc, the frame `pad` zero: what the conv nests read (and,
+    without a frame, what they write)."""
+    data: object
+    channels: int
+    h: int
+    w: int
+    groups: int
+    bc: int
+    pad: tuple = (0, 0, 0, 0)
+
+    @property
+    def n(self):
+        return self.data.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockedWeight:
+    """A conv weight packed for one use: [G*Kb][Cb][R][S][bc][bk] (bf16: [bc/2][2*bk])."""
+    data: object
+    shape: tuple          # the (K, C/groups, R, S) weight it packs
+    groups: int
+    transposed: bool      # the flipped, transposed weight of the data gradient
+
+
+def _threads(flops):
+    return 1 if flops < _SERIAL_FLOPS else None
+
+
+def _block_cases(inner, nb, total, bsize):
+    """[(channels, when)] for block `inner` of a group of `total` channels in nb blocks."""
+    tail = total - (nb - 1) * bsize
+    if tail == bsize:
+        return [(bsize, ())]
+    cases = [(tail, (inner == nb - 1,))]
+    if nb > 1:
+        cases.insert(0, (bsize, (inner < nb - 1,)))
+    return cases
+
+
+# ------------------------------------------------------------------ conversion nests
+@functools.lru_cache(maxsize=256)
+def _to_blocked_nest(groups, cg, h, w, bc, hb, wb, oh, ow, sh, sw, dtype):
+    """x (N, groups*cg, h, w) -> xb (N, groups*Cb, hb, wb, bc): pixel (i, j) at
+    (oh + i*sh, ow + j*sw) (xb zeroed by the caller)."""
+    n = tpp.size("N")
+    nb = -(-cg // bc)
+    nest = tpp.LoopNest("ABCD", a=n, b=groups, c=nb, d=h)
+    a, g, b, c = nest.vars
+    x = nest.tensor("x", (n, groups * cg, h, w), dtype)
+    xb = nest.tensor("xb", (n, groups * nb, hb, wb, bc), dtype)
+    for rows, when in _block_cases(b, nb, cg, bc):
+        spec = tpp.make_unary("transpose", rows, w, ldi=h * w, ldo=sw * bc, dtype_in=dtype)
+        nest.call(spec, x[a, g * cg + b * bc, c, 0], xb[a, g * nb + b, oh + c * sh, ow],
+                  when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _from_blocked_nest(groups, kg, bk, pb, qb, oh, ow, p, q, dtype):
+    """yb (N, groups*Kb, pb, qb, bk) -> y (N, groups*kg, p, q), y[.., i, j] from
+    yb[.., oh + i, ow + j]."""
+    n = tpp.size("N")
+    nb = -(-kg // bk)
+    nest = tpp.LoopNest("ABCD", a=n, b=groups, c=nb, d=p)
+    a, g, b, c = nest.vars
+    yb = nest.tensor("yb", (n, groups * nb, pb, qb, bk), dtype)
+    y = nest.tensor("y", (n, groups * kg, p, q), dtype)
+    for cols, when in _block_cases(b, nb, kg, bk):
+        spec = tpp.make_unary("transpose", q, cols, ldi=bk, ldo=p * q, dtype_in=dtype)
+        nest.call(spec, yb[a, g * nb + b, oh + c, ow], y[a, g * kg + b * bk, c, 0], when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_rows_nest(k, cg, rs, groups, kgp, cgp, backward, dtype):
+    """Step 1 of packing w (k, cg, R, S): forward, wt (groups, cgp, rs, kgp) with
+    wt[g, c, t, kk] = w[g*kg + kk, c, t] (a transpose of each output channel's row);
+    backward, wt (groups, kgp, rs, cgp) with wt[g, kk, t, c] = w[g*kg + kk, c, t]."""
+    kg = k // groups
+    if backward:
+        nest = tpp.LoopNest("AB", a=groups, b=kg)
+        g, a = nest.vars
+        w = nest.tensor("w", (k, cg, rs), dtype)
+        wt = nest.tensor("wt", (groups, kgp, rs, cgp), dtype)
+        spec = tpp.make_unary("transpose", cg, rs, ldi=rs, ldo=cgp, dtype_in=dtype)
+        nest.call(spec, w[g * kg + a], wt[g, a])
+    else:
+        # blocks of up to BLOCK output channels, each a (rows, cg*rs) -> (cg*rs, rows)
+        # transpose (one element at a time, with ldo=kgp, is ~10x slower on large weights)
+        kb = -(-kg // BLOCK)
+        nest = tpp.LoopNest("AB", a=groups, b=kb)
+        g, a = nest.vars
+        w = nest.tensor("w", (k, cg, rs), dtype)
+        wt = nest.tensor("wt", (groups, cgp, rs, kgp), dtype)
+        for rows, when in _block_cases(a, kb, kg, BLOCK):
+            spec = tpp.make_unary("transpose", rows, cg * rs, ldi=cg * rs, ldo=kgp,
+                                  dtype_in=dtype)
+            nest.call(spec, w[g * kg + a * BLOCK], wt[g, 0, 0, a * BLOCK], when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _weight_blocks_nest(groups, rowsp, colsp, r, s, brow, bcol, flip, dtype):
+    """Step 2: wt (groups, rowsp, r*s, colsp) -> wb (groups*Cb, Rb, r, s, brow, bcol) with
+    block [g*Cb + cb, rb, i, j] = wt[g, rb*brow:, tap, cb*bcol:], tap (i, j) or, flipped,
+    (r-1-i, s-1-j); bf16 blocks in VNNI-2 pairs."""
+    cb, rb = colsp // bcol, rowsp // brow
+    nest = tpp.LoopNest("ABCDE", a=groups, b=cb, c=rb, d=r, e=s)
+    g, j, b, c, d = nest.vars
+    wt = nest.tensor("wt", (groups, rowsp, r * s, colsp), dtype)
+    vnni = dtype == _dt.BF16
+    shape = (groups * cb, rb, r, s) + ((brow // 2, 2 * bcol) if vnni else (brow, bcol))
+    wb = nest.tensor("wb", shape, dtype)
+    tap = ((r - 1 - c) * s + (s - 1 - d)) if flip else (c * s + d)
+    op = "vnni2" if vnni else "identity"
+    spec = tpp.make_unary(op, brow, bcol, ldi=r * s * colsp, dtype_in=dtype)
+    nest.call(spec, wt[g, b * brow, tap, j * bcol], wb[g * cb + j, b, c, d])
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _vector_nest(groups, length, lengthp, dtype_in, dtype_out, pad):
+    """pad: v (groups*length,) -> vp (groups*lengthp,) (zeroed by the caller), converting;
+    else the inverse (vp -> v)."""
+    nest = tpp.LoopNest("A", a=groups)
+    a, = nest.vars
+    src = nest.tensor("src", (groups * (length if pad else lengthp),), dtype_in)
+    dst = nest.tensor("dst", (groups * (lengthp if pad else length),), dtype_out)
+    spec = tpp.make_unary("identity", 1, length, dtype_in=dtype_in, dtype_out=dtype_out)
+    if pad:
+        nest.call(spec, src[a * length], dst[a * lengthp])
+    else:
+        nest.call(spec, src[a * lengthp], dst[a * length])
+    return nest.compile()
+
+
+# ------------------------------------------------------------------ public conversions
+def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> BlockedActivation:
+    """x (N, C, H, W) as a BlockedActivation for geo (its padding as the frame). `scatter`
+    spaces the pixels (the transposed convolution's zero insertion); frame (hb, wb) and origin
+    (oh, ow) override the padded frame."""
+    n = x.shape[0]
+    bc = geo.bc
+    nb = -(-geo.cg // bc)
+    hb, wb = frame or (geo.hp, geo.wp)
+    oh, ow = origin or (geo.pad[0], geo.pad[2])
+    # zeroed only where something is left unwritten: a frame, padded channels, scattered pixels
+    dense = ((hb, wb) == (geo.h, geo.w) and scatter == (1, 1) and nb * bc == geo.cg)
+    xb = (_host.empty if dense else _host.zeros)((n, geo.groups * nb, hb, wb, bc), geo.dtype, x)
+    if n:
+        nest = _to_blocked_nest(geo.groups, geo.cg, geo.h, geo.w, bc, hb, wb, oh, ow,
+                                scatter[0], scatter[1], geo.dtype)
+        nest(x, xb, threads=_threads(64 * _size(xb)))
+    return BlockedActivation(xb, geo.c, geo.h, geo.w, geo.groups, bc,
+                             (oh, hb - oh - geo.h, ow, wb - ow - geo.w))
+
+
+def from_blocked(yb, channels, groups, bk, p, q, out, origin=(0, 0)):
+    """out (N, channels, p, q) from the blocked yb (N, groups*Kb, pb, qb, bk)."""
+    n = yb.shape[0]
+    if n:
+        nest = _from_blocked_nest(groups, channels // groups, bk, yb.shape[2], yb.shape[3],
+                                  origin[0], origin[1], p, q, _host.dtype_of(yb, "yb"))
+        nest(yb, out, threads=_threads(64 * n * channels * p * q))
+    return out
+
+
+def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
+    """w (K, C/groups, R, S) packed for the forward nest ([G*Kb][Cb][R][S][bc][bk]) or, with
+    transposed=True, flipped and transposed for the data gradient ([G*Cb][Kb][R][S][bk][bc])."""
+    k, cg, r, s = w.shape
+    kg = k // groups
+    bc, bk = block(cg, dtype), block(kg, dtype)
+    cgp, kgp = -(-cg // bc) * bc, -(-kg // bk) * bk
+    rs = r * s
+    w3 = _host.contiguous(w).reshape(k, cg, rs)
+    if transposed:
+        wt = _host.zeros((groups, kgp, rs, cgp), dtype, w)
+        _weight_rows_nest(k, cg, rs, groups, kgp, cgp, True, dtype)(w3, wt, threads=1)
+        nest = _weight_blocks_nest(groups, kgp, cgp, r, s, bk, bc, True, dtype)
+        rows, cols = kgp, cgp
+    else:
+        wt = _host.zeros((groups, cgp, rs, kgp), dtype, w)
+        _weight_rows_nest(k, cg, rs, groups, kgp, cgp, False, dtype)(w3, wt, threads=1)
+        nest = _weight_blocks_nest(groups, cgp, kgp, r, s, bc, bk, False, dtype)
+        rows, cols = cgp, kgp
+    brow, bcol = (bk, bc) if transposed else (bc, bk)
+    shape = (groups * (cols // bcol), rows // brow, r, s) + \
+        ((brow // 2, 2 * bcol) if dtype == _dt.BF16 else (brow, bcol))
+    wb = _host.empty(shape, dtype, w)
+    nest(wt, wb, threads=1)
+    return BlockedWeight(wb, (k, cg, r, s), groups, transposed)
+
+
+def _pad_bias(bias, groups, kg, bk, like):
+    kgp = -(-kg // bk) * bk
+    bp = _host.zeros((groups * kgp,), _dt.F32, like)
+    dt = _host.dtype_of(bias, "bias")
+    _vector_nest(groups, kg, kgp, dt, _dt.F32, True)(_host.contiguous(bias), bp, threads=1)
+    return bp
+
+def _size(a):
+    return a.numel() if arrays.is_torch(a) else a.size
