@@ -1,4 +1,5 @@
-"""The compiled pieces of ops.flash_attention: the equations of one block step and the loop nests.
+"""The loop nests of ops.flash_attention (the equations of one block step are in
+ops.attention_equations).
 
 Orientation. Every score block is kept *transposed*: S^T = K_j Q_i^T, a (BK x BQ) block whose
 rows are keys and whose columns are queries. Then K_j and V_j are read straight from the
@@ -30,177 +31,15 @@ end), padded queries are computed and never stored.
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 
 import tpp
 from tpp import dtypes as _dt
-from tpp import expr as X
 from tpp.lru import also_clear
 
-BQ = 64             # query rows per block (columns of a score block)
-BK = 64             # key rows per block (rows of a score block); == BQ: causal blocks align
-NEG_INF = -math.inf
-SEED_BLOCK_BITS = 16   # a block's seed: (CH + h) in the low word, j + (i << 16) in the high
-
-
-@dataclass(frozen=True)
-class Options:
-    """What a compiled nest is specialised for (its cache key, with the head geometry).
-
-    d: head dim; dtype: of q/k/v/out (F32 or BF16); hc: query heads per call; group: query
-    heads per kv head (hc % group == 0); causal; keymask: an additive (per key) mask input
-    of `mheads` heads (1: shared by the chunk's heads, else hc); mask2d: an additive
-    (query x key) mask input per (head, key block, query block) of `mheads` heads, which makes
-    the nest the per-query-block variant; dropout: the probability (0.0: none)."""
-    d: int
-    dtype: object
-    hc: int
-    group: int
-    causal: bool = False
-    keymask: bool = False
-    mask2d: bool = False
-    mheads: int = 1
-    dropout: float = 0.0
-    negscale: bool = False      # scale < 0: the largest score is scale * the smallest s
-
-
-# ---------------------------------------------------------------- equations
-def _scores(eq, o: Options, *, diag: bool, tail: bool):
-    """z, the scaled and masked scores of a (BK x BQ) S^T block: s * scale + masks."""
-    z = eq.input("s") * eq.param("scale")
-    if o.keymask or (tail and not o.mask2d):
-        z = z + eq.input("cm", bcast="col")          # per key: the mask, -inf past the end
-    if o.mask2d:
-        z = z + eq.input("mk")                       # per (key, query); -inf past the end
-    if diag:                                         # causal diagonal block: key > query out
-        z = X.select(X.islt(X.index("col"), X.index("row")), NEG_INF, z)
-    return z
-
-
-def _finite_or_zero(m):
-    """m where finite-from-below, 0 where -inf (a column with no key yet): exp(z - m) is then
-    exp(-inf) = 0 there instead of NaN."""
-    return X.select(X.compare("eq", m, NEG_INF), 0.0, m)
-
-
-def _dropped(eq, o: Options, p):
-    """p with dropout's keep bits applied (the op table's definition), or p."""
-    if not o.dropout:
-        return p
-    y, _keep = eq.op("dropout", p, p=o.dropout)
-    return y
-
-
-def vnni(o: Options) -> bool:
-    """Whether the nests run the bf16 path: P (and dS) rounded to bf16 and every BRGEMM on
-    bf16 A with VNNI-packed bf16 B (vdpbf16ps on hosts with avx512_bf16)."""
-    return o.dtype == _dt.BF16
-
-
-@functools.lru_cache(maxsize=256)
-def step_spec(o: Options, first: bool, diag: bool, tail: bool):
-    """The online-softmax step on the S^T block of (i, j), in place: P^T over s; m (the
-    running column maxima) updated in place; alpha = exp(m_old - m_new); l (the running sums
-    of the undropped probabilities) updated in place. Without dropout the step writes
-    l = alpha * l_old and the caller's ones-row BRGEMM adds the column sums of P^T (no second
-    exp pass); with dropout P^T is written dropped and the sums are taken here. `first`:
-    the first key block of a query block (no m_old / l_old, no alpha)."""
-    eq = tpp.equation(BK, BQ)
-    z = _scores(eq, o, diag=diag, tail=tail)
-    cmax = eq.max(z, 0)
-    outs = {}
-    if first:
-        m_new = cmax
-    else:
-        m_old = eq.input("m", bcast="row")
-        l_old = eq.input("l", bcast="row")
-        m_new = eq.maximum(m_old, cmax)
-    safe = _finite_or_zero(m_new)
-    p = eq.exp(z - safe)
-    outs["p"] = _dropped(eq, o, p)
-    if vnni(o) and not o.dropout:       # f32 P^T too: l sums the unrounded probabilities
-        outs["pf"] = p
-    outs["m_out"] = m_new
-    if not first:
-        alpha = eq.exp(m_old - safe)
-        outs["alpha"] = alpha
-        scaled = alpha * l_old
-    if o.dropout:
-        outs["l_out"] = eq.sum(p, 0) if first else scaled + eq.sum(p, 0)
-    elif not first:
-        outs["l_out"] = scaled
-    return eq.spec(**outs, dtypes={"p": o.dtype})
-
-
-@functools.lru_cache(maxsize=256)
-def stats_spec(o: Options, first: bool, diag: bool, tail: bool):
-    """The statistics half of the step without dropout (one pass down the columns): m (the
-    running column maxima) updated in place, alpha = exp(m_old - m_new), l = alpha * l_old
-    and `safe`, m_new where finite and 0 where -inf, the shift probs_spec subtracts. Split
-    from the exponentials so that the per-column values are computed once per column rather
-    than once per element."""
-    eq = tpp.equation(BK, BQ)
-    cmax = eq.max(_scores(eq, o, diag=diag, tail=tail), 0)
-    if first:
-        m_new = cmax
-        return eq.spec(m_out=m_new, safe=_finite_or_zero(m_new))
-    m_old = eq.input("m", bcast="row")
-    m_new = eq.maximum(m_old, cmax)
-    safe = _finite_or_zero(m_new)
-    alpha = eq.exp(m_old - safe)
-    return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l", bcast="row"))
-
-
-@functools.lru_cache(maxsize=256)
-def stats_row_spec(first: bool):
-    """stats_spec on an unmasked block from the column extreme of its raw scores (c: max of s,
-    or min with a negative scale; scale * c is the largest z exactly, rounding being
-    monotonic), as a (1 x BQ) equation: the block's pass is the reduce TPP's."""
-    eq = tpp.equation(1, BQ)
-    cmax = eq.input("c") * eq.param("scale")
-    if first:
-        return eq.spec(m_out=cmax, safe=_finite_or_zero(cmax))
-    m_old = eq.input("m")
-    m_new = eq.maximum(m_old, cmax)
-    safe = _finite_or_zero(m_new)
-    alpha = eq.exp(m_old - safe)
-    return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l"))
-
-
-@functools.lru_cache(maxsize=256)
-def probs_spec(o: Options, diag: bool, tail: bool):
-    """P^T = exp(z - safe) over the S^T block (in place; with the bf16 path also rounded to
-    bf16 into pb), safe from stats_spec."""
-    eq = tpp.equation(BK, BQ)
-    p = eq.exp(_scores(eq, o, diag=diag, tail=tail) - eq.input("sf", bcast="row"))
-    if vnni(o):
-        return eq.spec(p=p, pf=p, dtypes={"p": o.dtype})
-    return eq.spec(p=p)
-
-
-@functools.lru_cache(maxsize=256)
-def rescale_spec(d: int):
-    """acc (BQ x d) *= alpha (one factor per query row), in place."""
-    eq = tpp.equation(BQ, d)
-    acc = eq.input("acc")
-    return eq.spec(acc_out=acc * eq.input("alpha", bcast="col"))
-
-
-@functools.lru_cache(maxsize=256)
-def finish_spec(d: int, dtype):
-    """out = acc / l (0 where l == 0: a query no key may see, as torch gives) in the output's
-    dtype, and lse = m + log(l) (-inf there)."""
-    eq = tpp.equation(BQ, d)
-    acc = eq.input("acc")
-    l_in = eq.input("l", bcast="col")
-    m = eq.input("m", bcast="col")
-    inv = X.select(X.compare("gt", l_in, 0.0), 1.0 / l_in, 0.0)
-    return eq.spec(out=acc * inv, lse=m + eq.log(l_in), dtypes={"out": dtype})
-
-
-def _brgemm(m, n, k, **kw):
-    return tpp.make_brgemm(m, n, k, **kw)
+from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
+    BQ, BK, SEED_BLOCK_BITS, Options, vnni, step_spec, stats_spec, stats_row_spec,
+    probs_spec, rescale_spec, finish_spec, _brgemm, backward_step_spec, delta_spec
+)
 
 
 # ---------------------------------------------------------------- the forward nest
@@ -397,45 +236,7 @@ def forward(o: Options) -> Forward:
 also_clear(forward.cache_clear)
 
 
-# ---------------------------------------------------------------- backward
-@functools.lru_cache(maxsize=256)
-def backward_step_spec(o: Options, diag: bool, tail: bool):
-    """The backward equation of block (i, j), from tpp.grad of the forward softmax graph: on
-    the S^T block s and dP^T (the cotangent of the dropped probabilities, dO_i V_j^T), with
-    the forward's lse and Delta = rowsum(dO * O) per query column, it writes pt, the dropped
-    P^T (for dV), and ds = dS^T = scale * P^T * (dP^T - Delta) (for dK and dQ).
-
-    The gradient of softmax(z) = e / sum(e), e = exp(z - max), differentiated with the max as
-    a constant, is rewritten with the saved statistics: e -> exp(z - lse) (= P, the forward's
-    probabilities), sum(e) -> 1, and its one column reduction sum(P * dP) -> Delta (the sum
-    over *all* key blocks, which one block cannot see; Delta is that sum: dO . O)."""
-    eq = tpp.equation(BK, BQ)
-    z = _scores(eq, o, diag=diag, tail=tail)
-    s = X.input("s")
-    dpd = eq.input("dp")
-    lse = eq.input("lse", bcast="row")
-    delta = eq.input("delta", bcast="row")
-    mx = eq.max(z, 0)
-    e = eq.exp(z - mx)
-    total = eq.sum(e, 0)
-    pd = _dropped(eq, o, e / total)
-    ds, = tpp.grad([pd], [s], [dpd], stop_gradient=[mx])
-    # a query that saw no key (lse -inf): exp(z - +inf) = 0, not NaN
-    p_saved = eq.exp(z - X.select(X.compare("eq", lse, NEG_INF), math.inf, lse))
-    pd, ds = X.substitute([pd, ds], {e: p_saved, total: X.const(1.0)})
-    sums = [n for n in X.topological([ds]) if n.op in X.REDUCTIONS]
-    assert len(sums) == 1 and sums[0].attr[0] == 0, "the softmax gradient's one column sum"
-    ds, = X.substitute([ds], {sums[0]: delta})
-    return eq.spec(pt=pd, ds=ds, dtypes={"pt": o.dtype, "ds": o.dtype})
-
-
-@functools.lru_cache(maxsize=256)
-def delta_spec(d: int, dtype):
-    """Delta = rowsum(dO * O) of a (BQ x d) block: one value per query row."""
-    eq = tpp.equation(BQ, d)
-    return eq.spec(delta=eq.sum(eq.input("do", dtype=dtype) * eq.input("o", dtype=dtype), 1))
-
-
+# ---------------------------------------------------------------- the backward nest
 class Backward(_Nest):
     """The backward nest of one Options over one chunk of heads: `run(arrays)`.
 
@@ -622,6 +423,4 @@ def backward(o: Options) -> Backward:
     return Backward(o)
 
 
-for _cache in (backward, step_spec, stats_spec, stats_row_spec, probs_spec, rescale_spec,
-               finish_spec, backward_step_spec, delta_spec):
-    also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too
+also_clear(backward.cache_clear)
