@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "being descheduled on a shared machine), 'wall' = elapsed time; 'auto' "
                         "(default): cpu with --threads 1, wall otherwise")
     p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip checking tpp's outputs against tpp.reference")
+                   help="skip checking tpp's outputs against tpp.core.reference")
     p.add_argument("--plain", action="store_true", help="plain-text tables even if rich is "
                    "installed")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")

@@ -60,7 +60,7 @@ def collect() -> dict:
                                                   "ml_dtypes", "torch", "cupy")}
     info["versions"] = versions
     try:
-        from tpp import cache
+        from tpp.runtime import cache
         d = cache.default_directory()
         info["cache_dir"] = str(d) if d is not None else "disabled (TPP_DISK_CACHE=0)"
     except Exception as exc:  # noqa: BLE001

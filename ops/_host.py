@@ -11,9 +11,11 @@ import sys
 
 import numpy as np
 
-from tpp import arrays, checks
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
+from tpp.runtime import arrays
+
+from tpp.core import checks
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
 
 
 def host(x, name: str):

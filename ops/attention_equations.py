@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 
 import tpp
-from tpp import dtypes as _dt
-from tpp import expr as X
-from tpp.lru import also_clear
+from tpp.core import dtypes as _dt
+from tpp.core import expr as X
+from tpp.runtime.lru import also_clear
 
 BQ = 64             # query rows per block (columns of a score block)
 BK = 64             # key rows per block (rows of a score block); == BQ: causal blocks align

@@ -33,8 +33,8 @@ from __future__ import annotations
 import functools
 
 import tpp
-from tpp import dtypes as _dt
-from tpp.lru import also_clear
+from tpp.core import dtypes as _dt
+from tpp.runtime.lru import also_clear
 
 from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
     BQ, BK, SEED_BLOCK_BITS, Options, vnni, step_spec, stats_spec, stats_row_spec,

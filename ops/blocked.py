@@ -21,10 +21,10 @@ import functools
 import numpy as np
 
 import tpp
-from tpp import arrays
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
-from tpp.lru import also_clear
+from tpp.runtime import arrays
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import also_clear
 
 from . import _host
 

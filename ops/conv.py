@@ -48,11 +48,12 @@ from __future__ import annotations
 import functools
 
 import tpp
-from tpp import arrays, checks
-from tpp import dtypes as _dt
-from tpp.brgemm_spec import ACTIVATIONS
-from tpp.errors import ArgumentError
-from tpp.lru import also_clear
+from tpp.runtime import arrays
+from tpp.core import checks
+from tpp.core import dtypes as _dt
+from tpp.core.brgemm_spec import ACTIVATIONS
+from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import also_clear
 
 from . import _host
 from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weight, ...)

@@ -12,9 +12,10 @@ import functools
 from dataclasses import dataclass
 
 import tpp
-from tpp import arrays, checks
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
+from tpp.runtime import arrays
+from tpp.core import checks
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
 
 from . import _host
 

@@ -20,7 +20,7 @@ Contract (torch.nn.functional.scaled_dot_product_attention's semantics):
   bits, and attention_backward regenerates them from the same seed (it must be given), so
   forward and backward agree. The bits are the operator's own (a function of the seed, the
   head's index b * H + h and the element), not torch's.
-  Bad input raises tpp.errors.ArgumentError: shapes that do not match, a head dim mismatch,
+  Bad input raises tpp.core.errors.ArgumentError: shapes that do not match, a head dim mismatch,
   H % Hk != 0, a mask of a shape that does not broadcast or of another dtype, a dtype other
   than f32 / bf16, mixed dtypes, an unknown keyword.
 
@@ -71,9 +71,9 @@ import math
 import numpy as np
 
 import tpp
-from tpp import arrays as _arrays
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
+from tpp.runtime import arrays as _arrays
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
 
 from . import _host
 from . import attention_kernels as K

@@ -38,11 +38,12 @@ from dataclasses import dataclass
 import numpy as np
 
 import tpp
-from tpp import arrays, checks
-from tpp import dtypes as _dt
-from tpp.brgemm_spec import ACTIVATIONS   # the BRGEMM epilogues (the op table's epilogue flag)
-from tpp.errors import ArgumentError
-from tpp.lru import LRU, also_clear
+from tpp.runtime import arrays
+from tpp.core import checks
+from tpp.core import dtypes as _dt
+from tpp.core.brgemm_spec import ACTIVATIONS   # the BRGEMM epilogues (the op table's epilogue flag)
+from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import LRU, also_clear
 
 from . import _host
 from .blocked import row_blocks, split

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import tpp
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
-from tpp.lru import also_clear
-from tpp.optable import UNARY_OPS
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import also_clear
+from tpp.core.optable import UNARY_OPS
 
 from . import _host, blocked
 from .matmul import ACTIVATIONS, linear, linear_keep, matmul, serial

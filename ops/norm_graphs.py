@@ -10,8 +10,8 @@ per-row values turned into multiplications by one reciprocal per row (`_lean`).
 from __future__ import annotations
 
 import tpp
-from tpp import dtypes as _dt
-from tpp import expr as X
+from tpp.core import dtypes as _dt
+from tpp.core import expr as X
 
 
 # ---------------------------------------------------------------- graph helpers
@@ -67,7 +67,7 @@ def _lean(nodes):
 
 
 def _grad(outputs, wrt, cotangents, stop=()):
-    from tpp.autodiff import grad
+    from tpp.core.autodiff import grad
     return grad(outputs, wrt, cotangents, stop_gradient=stop)
 
 

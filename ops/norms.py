@@ -15,7 +15,7 @@ Data: numpy arrays or torch CPU tensors (the result is of the kind given) of any
 (..., n), viewed as (rows, n); f32, or bf16 (bf16 in and out, f32 arithmetic and statistics:
 mean and rstd are f32 arrays of the leading shape). weight and bias: (n,) of f32 or bf16 (their
 gradients come back in their dtype). Non-contiguous inputs are copied to a contiguous array
-first (no error). Bad input raises tpp.errors.ArgumentError: a wrong shape, a dtype other
+first (no error). Bad input raises tpp.core.errors.ArgumentError: a wrong shape, a dtype other
 than f32/bf16, a negative or non-finite eps, an unknown keyword.
 
 How. Each operator is an equation (tpp.equation) over a block of `bm` rows by all n columns:
@@ -36,7 +36,7 @@ reduction would take the compiler's general schedule (whole-block passes, a hori
 vector for the per-row reductions). Parameter gradients need n <= MAX_GRAD_COLS (65536, the
 equations' stack limit for an axis-0 result): ArgumentError beyond.
 
-The backward equations are not written by hand: they are tpp.autodiff.grad of the forward
+The backward equations are not written by hand: they are tpp.core.autodiff.grad of the forward
 equations (the vector-Jacobian product over the IR), with the saved per-row statistics put in
 place of their recomputation (`_saved`): mean and rstd for the norms; for softmax the saved
 output y in place of exp(z - max) and 1 in place of the row sum (the gradient is invariant to
@@ -45,7 +45,7 @@ per-row (or per-column) values into multiplications by reciprocals computed once
 
 Performance (one thread, 4096 x 1024 f32; bench/suites/norm.py, `tpp-bench norm`): the
 forward nests run at about the copy bandwidth of the same size when their output is
-preallocated; as operators they allocate. softmax is bound by exp (tpp.mathlib's expansion):
+preallocated; as operators they allocate. softmax is bound by exp (tpp.core.mathlib's expansion):
 its f32 forward calls three equations per block so that exp runs once per element. A step's
 kernels write with ordinary stores: tpp_cpu streams (non-temporal stores) only a single call
 writing >= 16 MiB, so the output's cache lines are read before they are written.
@@ -55,11 +55,11 @@ rstd = 1 / sqrt(var + eps), y = fma(x, rstd, -mu * rstd) * w + b.
 RMSNorm forward:    rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * w.
 softmax forward:    z = x * scale + mask, y = exp(z - max(z)) * (1 / sum(exp(z - max(z)))).
 
-Dropout uses the op table's `dropout` definition (tpp.optable: a counter-based stream, a
+Dropout uses the op table's `dropout` definition (tpp.core.optable: a counter-based stream, a
 function of (seed, element)); each row block draws with its own seed, (seed mod 2**32) in the
 low word and (seed // 2**32 mod 2**16 + the block's first row) in the high word, so results
 depend on the seed, M and n only (not on the threads). The keep bitmask is (rows,
-ceil(n / 8)) uint8, tpp.spec's layout, bit j % 8 of byte j // 8 for column j.
+ceil(n / 8)) uint8, tpp.core.spec's layout, bit j % 8 of byte j // 8 for column j.
 """
 from __future__ import annotations
 
@@ -69,11 +69,11 @@ import math
 import numpy as np
 
 import tpp
-from tpp import arrays as _arrays
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
-from tpp.lru import also_clear
-from tpp.spec import mask_bytes
+from tpp.runtime import arrays as _arrays
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import also_clear
+from tpp.core.spec import mask_bytes
 
 from . import _host
 from .blocked import column_sums

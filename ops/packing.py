@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tpp
-from tpp import checks
-from tpp import dtypes as _dt
-from tpp.errors import ArgumentError
+from tpp.core import checks
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
 
 from . import _host
 

@@ -24,7 +24,7 @@ tensors of shape (..., n), f32 or bf16 (f32 arithmetic and statistics); bias, we
 ln_bias (n,) of one dtype; dropout from the op table's counter-based stream with ops.norms'
 per-block seeds, so results depend on (seed, M, n) only, never on the threads.
 
-The backward equations are tpp.autodiff.grad of the forward graph (the draw of dropout
+The backward equations are tpp.core.autodiff.grad of the forward graph (the draw of dropout
 replaced by the saved bitmask, the sum h, mean and rstd by their saved values), in ops.norms'
 two-equation form per block: the row-wise one (dres and dx: per-row reductions) and the
 axis-0 one (the partial rows of dweight, dln_bias and dbias).
@@ -34,10 +34,10 @@ from __future__ import annotations
 import numpy as np
 
 import tpp
-from tpp import expr as X
-from tpp import optable
-from tpp.errors import ArgumentError
-from tpp.spec import mask_bytes
+from tpp.core import expr as X
+from tpp.core import optable
+from tpp.core.errors import ArgumentError
+from tpp.core.spec import mask_bytes
 
 from . import _host
 from . import norms as _n

@@ -43,8 +43,8 @@ from ops import _host
 from ops.matmul import ACTIVATIONS
 from ops.mlp import check_packed
 from ops.mlp import forward_checked as _forward_checked
-from tpp import checks
-from tpp.errors import ArgumentError, UnsupportedError
+from tpp.core import checks
+from tpp.core.errors import ArgumentError, UnsupportedError
 
 __all__ = ["LinearFunction", "Linear", "MLP", "linear", "LayerNorm", "RMSNorm", "layer_norm",
            "rms_norm", "softmax", "scaled_dot_product_attention", "MultiheadAttention",

@@ -60,7 +60,7 @@ import numbers
 
 import torch
 
-from tpp.errors import UnsupportedError
+from tpp.core.errors import UnsupportedError
 
 __all__ = ["scaled_dot_product_attention", "MultiheadAttention", "AttentionFunction"]
 

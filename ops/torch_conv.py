@@ -18,7 +18,7 @@ tensors, inputs that are not 3-D or 4-D, padding_mode other than "zeros" (the mo
 backward that must itself be differentiable (create_graph=True: the gradients are recomputed
 with torch's operators). Every groups value is served (groups 1, grouped and depthwise; the
 depthwise case runs 1-channel blocks, correct but not yet fast). Invalid hyper-parameters
-raise tpp.errors.ArgumentError (a ValueError).
+raise tpp.core.errors.ArgumentError (a ValueError).
 """
 from __future__ import annotations
 

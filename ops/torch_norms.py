@@ -24,7 +24,7 @@ on the CPU, dtypes other than float32 / bfloat16 (float64, float16, ...), empty 
 requires grad, and a backward that must itself be differentiable (create_graph=True: the
 gradients are recomputed with torch's operators so that autograd can differentiate them
 again). Shapes that do not match (normalized_shape vs the input's trailing dimensions, a
-weight of another shape) raise tpp.errors.ArgumentError (a ValueError).
+weight of another shape) raise tpp.core.errors.ArgumentError (a ValueError).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from tpp.errors import ArgumentError
+from tpp.core.errors import ArgumentError
 
 from . import norms as _n
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpp.errors import CompileError
+from tpp.core.errors import CompileError
 
 HEADER = Path(__file__).with_name("cuda_emulator.h")
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-w")

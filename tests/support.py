@@ -1,8 +1,8 @@
 """Shared helpers of the test suite: inputs per op, strided views, the tolerance table.
 
-Both come from the op table (tpp.optable), the single place an element-wise op is defined:
+Both come from the op table (tpp.core.optable), the single place an element-wise op is defined:
 inputs are drawn from the op's `domain` with its `specials` mixed in, and the tolerance of an
-element-wise op against tpp.reference is its `tol` plus one f32 ulp (the table bounds the
+element-wise op against tpp.core.reference is its `tol` plus one f32 ulp (the table bounds the
 kernel's error against the exact math within half an ulp, and the reference is the exact
 value rounded once to f32: another half ulp). TOLERANCE holds every op; `_OVERRIDES` the few
 whose tests need another value, each with its reason.
@@ -19,7 +19,7 @@ _ULP = 2.0 ** -23           # one f32 ulp, relative
 _ELEMENTWISE = {info.name: info for info in list(tpp.UNARY_OPS.values()) +
                 list(tpp.BINARY_OPS.values()) if info.expr is not None}
 
-# op -> (rtol, atol) of f32 outputs against tpp.reference
+# op -> (rtol, atol) of f32 outputs against tpp.core.reference
 _OVERRIDES = {
     # the ops without a definition: exact (data movement, max / min) unless listed
     "default": (2 * _ULP, 0.0),
@@ -48,7 +48,7 @@ def values(op: str, shape, dtype, *, specials: bool = True, reverse: bool = Fals
         if specials and flat.size >= 4 * extra.size:
             flat[:extra.size] = extra
     with np.errstate(over="ignore"):            # 3e38 in a 16-bit dtype: inf
-        return data.astype(np.float32).astype(tpp.dtypes.lookup(dtype).numpy)
+        return data.astype(np.float32).astype(tpp.core.dtypes.lookup(dtype).numpy)
 
 
 def strided(arr: np.ndarray, pad: int) -> np.ndarray:
@@ -64,7 +64,7 @@ def strided(arr: np.ndarray, pad: int) -> np.ndarray:
 def out_buffer(shape, dtype, pad: int, sentinel=7.0):
     """An output view (ld = cols + pad) into a buffer filled with a sentinel, and the buffer."""
     rows, cols = shape
-    dt = tpp.dtypes.lookup(dtype).numpy
+    dt = tpp.core.dtypes.lookup(dtype).numpy
     big = np.full((rows + 1, cols + pad), sentinel, dtype=np.float32).astype(dt)
     return big[:rows, :cols], big
 
@@ -78,7 +78,7 @@ def check_margins(big, rows, cols, sentinel=7.0):
 
 def assert_matches(got, want, op: str, dtype_out: str):
     rtol, atol = TOLERANCE.get(op, TOLERANCE["default"])
-    rtol += _OUT_ROUNDING[tpp.dtypes.lookup(dtype_out).name]
+    rtol += _OUT_ROUNDING[tpp.core.dtypes.lookup(dtype_out).name]
     g = np.asarray(got).astype(np.float64)
     w = np.asarray(want).astype(np.float64)
     assert g.shape == w.shape, (g.shape, w.shape)
@@ -141,7 +141,7 @@ def run_checked(kernel, pad_out: int = 0, pad_in: int = 0, seed=None):
     if seed is not None:
         kwargs["seed"] = seed
     got = kernel(*inputs[:len(kernel.input_names)], **kwargs)
-    want = tpp.reference.run(spec, *inputs, **({"seed": seed} if seed is not None else {}))
+    want = tpp.core.reference.run(spec, *inputs, **({"seed": seed} if seed is not None else {}))
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     for o, g, w in zip(outs, got, want):

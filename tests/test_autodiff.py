@@ -1,4 +1,4 @@
-"""tpp.autodiff: the backward of expression graphs, checked against central finite differences
+"""tpp.core.autodiff: the backward of expression graphs, checked against central finite differences
 of the exact (float64) evaluation for every op and transcendental with a rule, against torch
 autograd on whole layers, and for leanness against hand-written backwards in the same IR."""
 import itertools
@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpp import expr as X
-from tpp import mathlib
-from tpp.autodiff import RULES, count_ops, grad
-from tpp.errors import SpecError
-from tpp.expr_eval import evaluate
+from tpp.core import expr as X
+from tpp.core import mathlib
+from tpp.core.autodiff import RULES, count_ops, grad
+from tpp.core.errors import SpecError
+from tpp.core.expr_eval import evaluate
 
 M, N = 3, 4
 _DIMS = {"block": (M, N), "row": (1, N), "col": (M, 1), "scalar": (1, 1)}

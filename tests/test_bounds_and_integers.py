@@ -11,10 +11,10 @@ import pytest
 import ops
 import tpp
 from tpp import ArgumentError, Loop, SpecError
-from tpp.brgemm_spec import make_brgemm
-from tpp.checks import ADDRESS_LIMIT, MAX_THREADS
-from tpp.loops import CompiledNest
-from tpp.spec import make_binary
+from tpp.core.brgemm_spec import make_brgemm
+from tpp.core.checks import ADDRESS_LIMIT, MAX_THREADS
+from tpp.runtime.loops import CompiledNest
+from tpp.core.spec import make_binary
 
 INC = tpp.unary("increment", 1, 1)
 

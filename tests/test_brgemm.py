@@ -1,4 +1,4 @@
-"""BRGEMM, C = act(beta*C + sum_i A_i @ B_i + bias), against tpp.reference.
+"""BRGEMM, C = act(beta*C + sum_i A_i @ B_i + bias), against tpp.core.reference.
 
 The sweep is libxsmm's: m, n, k from 1..100 plus 1, 16, 17, 64, 65; ld exact and larger; beta 0
 and 1; the three batch modes with counts 1..8 (and 0); transposed A and B, VNNI-packed B; every
@@ -45,7 +45,7 @@ SENTINEL = 0xA5       # byte pattern of every C buffer and mask guard
 
 
 def _np(dtype):
-    return tpp.dtypes.lookup(dtype).numpy
+    return tpp.core.dtypes.lookup(dtype).numpy
 
 
 def _data(rng, shape, dtype, scale=1.0):
@@ -205,7 +205,7 @@ def _assert_mask(mask, want_mask, pre, n, slack, label):
     got_bits = np.unpackbits(np.asarray(mask), axis=1, bitorder="little")
     assert not got_bits[:, n:].any(), f"{label}: bitmask pad bits set"
     decisive = np.abs(np.asarray(pre, np.float64)) > slack
-    diff = (got_bits[:, :n].astype(bool) != tpp.reference.unpack_mask(want_mask, n)) & decisive
+    diff = (got_bits[:, :n].astype(bool) != tpp.core.reference.unpack_mask(want_mask, n)) & decisive
     assert not diff.any(), f"{label}: bitmask differs at {np.argwhere(diff)[:5].tolist()}"
 
 
@@ -234,8 +234,8 @@ def _run_case(case):
         mask_buf = np.full(spec.m * nb + 16, SENTINEL, np.uint8)
         kw["mask"] = mask_buf[8:8 + spec.m * nb].reshape(spec.m, nb)
     got = kern(a_arg, b_arg, c, **kw)
-    want = tpp.reference.run(spec, a_ref[:count], b_ref[:count], *extra)
-    pre = tpp.reference.run(spec.replace(activation=None, bitmask=False, dtype_c=tpp.F32),
+    want = tpp.core.reference.run(spec, a_ref[:count], b_ref[:count], *extra)
+    pre = tpp.core.reference.run(spec.replace(activation=None, bitmask=False, dtype_c=tpp.F32),
                             a_ref[:count], b_ref[:count], *extra)
     if spec.bitmask:
         assert got[0] is c and got[1] is kw["mask"], "the given C and mask are returned"
@@ -332,7 +332,7 @@ def test_raw_stride_path():
     for count in (3, 4):
         c = c0.copy()
         kern.raw(a.ctypes.data, b.ctypes.data, c.ctypes.data, 0, 0, count, 15 * 9, 9 * 22)
-        want = tpp.reference.run(kern.spec, a[:count, :13], b[:count], c0)
+        want = tpp.core.reference.run(kern.spec, a[:count, :13], b[:count], c0)
         _assert_close(c, want, want, kern.spec, count, f"raw count={count}")
         assert np.array_equal(kern(a[:, :13], b, c0.copy(), count=count), c)
 
@@ -372,7 +372,7 @@ def test_vnni_odd_k_packed_by_the_unary(dtype, k):
     packed = np.stack([pack(x) for x in b])
     assert np.array_equal(packed.view(np.uint16), _vnni(b).view(np.uint16))
     kern = tpp.brgemm(m, n, k, dtype_a=dtype, vnni_b=True)
-    want = tpp.reference.run(kern.spec, a, packed)
+    want = tpp.core.reference.run(kern.spec, a, packed)
     _assert_close(kern(a, packed), want, want, kern.spec, count, "vnni packed")
     poisoned = _vnni(b, pad=np.nan)
     _assert_close(kern(a, poisoned), want, want, kern.spec, count, "vnni NaN pad")
@@ -389,13 +389,13 @@ def test_lds_come_from_the_strides(batch):
     a_arg, a_ref, _ = _place(rng, batch, a, 13, "f32")
     b_arg, b_ref, _ = _place(rng, batch, b, 24, "f32")
     c, big = _guarded_c(rng, kern.spec.replace(ldc=23))
-    want = tpp.reference.run(kern.spec, a_ref, b_ref, c.copy())
+    want = tpp.core.reference.run(kern.spec, a_ref, b_ref, c.copy())
     _assert_close(kern(a_arg, b_arg, c), want, want, kern.spec, 3, "ld from strides")
     _check_guards(big, 10, 19)
 
 
 def test_reference_against_einsum():
-    """tpp.reference itself, on the stored layouts, against a plain numpy einsum on the logical
+    """tpp.core.reference itself, on the stored layouts, against a plain numpy einsum on the logical
     blocks (transposes, odd-k VNNI, beta, bias, the activations, a bf16 C)."""
     rng = np.random.default_rng(11)
     erfc = np.vectorize(math.erfc)    # 1 + erf(x) cancels for x << 0
@@ -412,7 +412,7 @@ def test_reference_against_einsum():
         c, bias = _data(rng, (m, n), dc), _data(rng, n, dc)
         a_st = a.transpose(0, 2, 1) if ta else a
         b_st = _vnni(b) if vnni else b.transpose(0, 2, 1)
-        got = tpp.reference.run(spec, a_st, b_st, c, bias)
+        got = tpp.core.reference.run(spec, a_st, b_st, c, bias)
         x = np.einsum("bmk,bkn->mn", a.astype(np.float64), b.astype(np.float64))
         x = (x + c.astype(np.float64) + bias.astype(np.float64)).astype(np.float32)
         want = acts[act](x.astype(np.float64)).astype(np.float32).astype(_np(dc))
@@ -497,7 +497,7 @@ def test_offsets_reaching_the_end_of_the_base_array():
     rng = np.random.default_rng(8)
     a, b = _data(rng, 29, "f32"), _data(rng, 35, "f32")
     oa, ob = np.array([5, 0], np.int64), np.array([5, 0], np.int64)
-    want = tpp.reference.run(kern.spec, [a[o:o + 24].reshape(4, 6) for o in oa],
+    want = tpp.core.reference.run(kern.spec, [a[o:o + 24].reshape(4, 6) for o in oa],
                              [b[o:o + 30].reshape(6, 5) for o in ob])
     got = kern(a, b, offsets_a=oa, offsets_b=ob)
     _assert_close(got, want, want, kern.spec, 2, "offsets at the end")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import cache
+from tpp.runtime import cache
 from tpp_cpu import backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def test_a_corrupt_kernel_entry_is_rebuilt(cache_dir):
     assert path.exists()
     path.write_bytes(path.read_bytes()[:50])
     compiled = backend.compile(spec)                  # rebuilds instead of loading junk
-    fn = tpp.arrays.ffi.cast("void(*)(intptr_t, intptr_t)", compiled.address)
+    fn = tpp.runtime.arrays.ffi.cast("void(*)(intptr_t, intptr_t)", compiled.address)
     x = -np.arange(33, dtype=np.float32).reshape(3, 11)
     y = np.empty_like(x)
     fn(x.ctypes.data, y.ctypes.data)
@@ -96,7 +96,7 @@ _CHILD = textwrap.dedent("""
         backend.build_object = refuse
     k = tpp.unary("gelu", 13, 29)
     x = np.linspace(-5, 5, 13 * 29, dtype=np.float32).reshape(13, 29)
-    want = tpp.reference.run(k.spec, x)
+    want = tpp.core.reference.run(k.spec, x)
     np.testing.assert_allclose(k(x), want, rtol=1e-6, atol=1e-30)
     if sys.argv[1] == "forbid-build" and backend.sharedlib.linker():
         assert "llvmlite.binding" not in sys.modules, "a cache hit should not need LLVM"
@@ -181,7 +181,7 @@ def test_kernels_load_from_a_read_only_cache(cache_dir, monkeypatch):
         compiled = backend.compile(tpp.make_unary("abs", 3, 14))   # a miss: built, not stored
         assert backend.COUNTS["built"] == counts["built"] + 1
         assert sorted(cache_dir.iterdir()) == entries
-        fn = tpp.arrays.ffi.cast("void(*)(intptr_t, intptr_t)", compiled.address)
+        fn = tpp.runtime.arrays.ffi.cast("void(*)(intptr_t, intptr_t)", compiled.address)
         x = -np.arange(42, dtype=np.float32).reshape(3, 14)
         y = np.empty_like(x)
         fn(x.ctypes.data, y.ctypes.data)

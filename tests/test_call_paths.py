@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp.errors import ArgumentError
+from tpp.core.errors import ArgumentError
 
 rng = np.random.default_rng(12)
 
@@ -118,7 +118,7 @@ def test_zero_without_arrays_allocates_a_host_output(dtype_out):
     for _ in range(3):                       # the first call plans, the later ones reuse it
         y = k()
         assert isinstance(y, np.ndarray) and y.shape == (5, 7)
-        assert y.dtype == tpp.dtypes.lookup(dtype_out).numpy
+        assert y.dtype == tpp.core.dtypes.lookup(dtype_out).numpy
         assert not y.astype(np.float32).any() and not np.signbit(y.astype(np.float32)).any()
     assert k() is not y                      # a fresh array per call
 

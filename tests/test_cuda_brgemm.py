@@ -7,7 +7,7 @@ builds for sm_80 and sm_90 in one translation unit per arch, and the main bf16 a
 (128x128 tiles) use no local memory (ptxas -v: no spills, no stack).
 
 Numerics (the CPU emulator of tests/cuda_emulator.py, skipped without it): small specs of every
-kind against `tpp.reference` - the three batch modes, the layouts, dtypes, epilogues, odd sizes
+kind against `tpp.core.reference` - the three batch modes, the layouts, dtypes, epilogues, odd sizes
 (partial tiles, k not a multiple of 16 or 8, odd k with vnni whose unused half holds NaN),
 unaligned blocks and lds (the element-wise copy path), count 0, and the 128x128 / 64x64 tiles
 forced on small problems. Padding in every input buffer is NaN (reading it shows), C's padding
@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import reference
-from tpp.errors import UnsupportedError
+from tpp.core import reference
+from tpp.core.errors import UnsupportedError
 from tpp_cuda import brgemm, nvcc
 from tpp_cuda.brgemm import MMA_TILES, SIMT_TILES
 

@@ -1,5 +1,5 @@
 """The whole CUDA call path without a GPU: tpp.Kernel / tpp.BrgemmKernel with device arrays,
-through tpp.device_arrays, the lds variants, output allocation, the offset and address tables
+through tpp.runtime.device_arrays, the lds variants, output allocation, the offset and address tables
 and the launch arguments, down to the generated kernel, run by the CPU emulator.
 
 The "device" is host memory: a `HostDevice` array exposes `__cuda_array_interface__` over a
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import arrays, reference
-from tpp.device_arrays import CudaView
+from tpp.runtime import arrays
+from tpp.core import reference
+from tpp.runtime.device_arrays import CudaView
 from tpp_cuda import generators, runtime
 
 from cuda_emulator import EmulatedModule, available
@@ -95,7 +96,7 @@ def device(monkeypatch, module):
 
 
 def _rand(rng, shape, dtype="f32"):
-    return rng.standard_normal(shape).astype(np.float32).astype(tpp.dtypes.lookup(dtype).numpy)
+    return rng.standard_normal(shape).astype(np.float32).astype(tpp.core.dtypes.lookup(dtype).numpy)
 
 
 def test_unary_allocates_its_output_on_the_device(device):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import optable, reference
-from tpp.errors import CompileError, SpecError, UnsupportedError
-from tpp.spec import make_binary, make_unary
+from tpp.core import optable, reference
+from tpp.core.errors import CompileError, SpecError, UnsupportedError
+from tpp.core.spec import make_binary, make_unary
 from tpp_cuda import eltwise, nvcc
 from tpp_cuda.expr_cuda import float_literal
 

@@ -1,5 +1,5 @@
 """The element-wise CUDA kernels of `tpp_cuda.eltwise`, run on the CPU emulator
-(tests/cuda_emulator.py), agree with `tpp.reference`, and compute the CPU backend's bits.
+(tests/cuda_emulator.py), agree with `tpp.core.reference`, and compute the CPU backend's bits.
 
 Every supported unary and binary op runs in f32, bf16 and f16 (mixed input / output dtypes),
 with row / col / scalar broadcasts, leading dimensions larger than n, bitmask outputs (relu's
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import reference
-from tpp.spec import make_binary, make_unary
+from tpp.core import reference
+from tpp.core.spec import make_binary, make_unary
 from tpp_cuda import eltwise
 from tpp_cuda.launch import Launch
 
@@ -123,7 +123,7 @@ def module():
 
 # ---------------------------------------------------------------- buffers
 def _numpy(dtype) -> np.dtype:
-    return tpp.dtypes.lookup(dtype).numpy
+    return tpp.core.dtypes.lookup(dtype).numpy
 
 
 def _values(rng, shape, dtype, specials: bool) -> np.ndarray:

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tpp.errors import CompileError
+from tpp.core.errors import CompileError
 from tpp_cuda.launch import Launch
 
 import cuda_emulator

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp.errors import UnsupportedError
+from tpp.core.errors import UnsupportedError
 from tpp_cuda import equation as cuda_eq
 from tpp_cuda import generators
 

@@ -1,5 +1,5 @@
 """Calls with CUDA data: the backend follows the data, mixed devices and bad device arrays are
-TPPErrors, and (with a GPU) the kernels agree with tpp.reference.
+TPPErrors, and (with a GPU) the kernels agree with tpp.core.reference.
 
 The first part needs no GPU: a fake producer with `__cuda_array_interface__` is validated like
 any array up to the launch. The second part runs only where cupy sees a GPU."""
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import arrays, device_arrays, reference
-from tpp.errors import ArgumentError, TPPError, UnsupportedError
+from tpp.runtime import arrays, device_arrays
+from tpp.core import reference
+from tpp.core.errors import ArgumentError, TPPError, UnsupportedError
 from tpp_cuda import runtime
 
 GPU = pytest.mark.skipif(not runtime.available(), reason="no usable GPU (cupy + a device)")
@@ -118,7 +119,7 @@ def cupy():
 
 
 def _rand(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(np.float32).astype(tpp.dtypes.lookup(dtype).numpy)
+    return rng.standard_normal(shape).astype(np.float32).astype(tpp.core.dtypes.lookup(dtype).numpy)
 
 
 @GPU

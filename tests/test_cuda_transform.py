@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import reference
-from tpp.errors import UnsupportedError
-from tpp.spec import make_binary, make_unary
+from tpp.core import reference
+from tpp.core.errors import UnsupportedError
+from tpp.core.spec import make_binary, make_unary
 from tpp_cuda import eltwise, generators, nvcc, transform
 from tpp_cuda.launch import Launch
 
@@ -171,7 +171,7 @@ def test_dispatcher_brgemm():
 
 # ---------------------------------------------------------------- running on the CPU emulator
 # The kernels run on tests/cuda_emulator.py (all in one emulated module) against
-# tpp.reference: bits for the movers, values for the max-like
+# tpp.core.reference: bits for the movers, values for the max-like
 # reductions, an f32-accumulation bound for the sums. Inputs live in buffers with ld > the row
 # (random bits in the padding), outputs in sentinel-filled buffers one row taller whose margins
 # must survive. A few kernels also run with a one-block grid (the grid-stride loops must cover

@@ -1,5 +1,5 @@
-"""Elementwise unary ops, their backward ops and binary ops against tpp.reference, for every
-element-wise op of the op table (tpp.optable) with each of its parameter variants."""
+"""Elementwise unary ops, their backward ops and binary ops against tpp.core.reference, for every
+element-wise op of the op table (tpp.core.optable) with each of its parameter variants."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -120,7 +120,7 @@ def test_compare_with_nan_and_equal_values():
         k = tpp.binary(f"cmp_{op}", 1, 9)
         want = getattr(np, {"gt": "greater", "ge": "greater_equal", "lt": "less",
                             "le": "less_equal", "eq": "equal", "ne": "not_equal"}[op])(a, b)
-        np.testing.assert_array_equal(tpp.reference.unpack_mask(k(a, b), 9), want)
+        np.testing.assert_array_equal(tpp.core.reference.unpack_mask(k(a, b), 9), want)
 
 
 def test_max_min_propagate_nan():
@@ -136,7 +136,7 @@ def test_relu_specials():
     np.testing.assert_array_equal(
         y, np.array([[0.0, 0.0, np.nan, 0.0, np.inf, 0.0, 1e-45, 0.0]], np.float32))
     assert not np.signbit(y[0, 0])
-    np.testing.assert_array_equal(tpp.reference.unpack_mask(mask, 8)[0],
+    np.testing.assert_array_equal(tpp.core.reference.unpack_mask(mask, 8)[0],
                                   [0, 0, 0, 0, 1, 0, 1, 0])
 
 
@@ -145,7 +145,7 @@ def test_dropout_keeps_the_right_fraction_and_depends_on_seed():
     x = np.ones((64, 64), np.float32)
     y1, m1 = k(x, seed=1)
     y2, m2 = k(x, seed=2)
-    kept = tpp.reference.unpack_mask(m1, 64).mean()
+    kept = tpp.core.reference.unpack_mask(m1, 64).mean()
     assert abs(kept - 0.7) < 0.03
     assert not np.array_equal(m1, m2)
     np.testing.assert_allclose(np.unique(y1), [0.0, 1 / 0.7], rtol=1e-6)
@@ -155,7 +155,7 @@ def test_dropout_keeps_the_right_fraction_and_depends_on_seed():
 
 def test_in_place_elementwise():
     x = RNG.standard_normal((9, 20)).astype(np.float32)
-    want = tpp.reference.run(tpp.unary("exp", 9, 20).spec, x)
+    want = tpp.core.reference.run(tpp.unary("exp", 9, 20).spec, x)
     tpp.unary("exp", 9, 20)(x, out=x)
     np.testing.assert_allclose(x, want, rtol=1e-6)
 

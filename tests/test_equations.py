@@ -1,5 +1,5 @@
 """tpp.equation: graphs of element-wise nodes and reductions compiled into one kernel, checked
-against independent numpy formulas and against the exact reference (tpp.reference.run)."""
+against independent numpy formulas and against the exact reference (tpp.core.reference.run)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import tpp
 from tpp import BF16
-from tpp.errors import ArgumentError, SpecError
+from tpp.core.errors import ArgumentError, SpecError
 
 RNG = np.random.default_rng(7)
 
@@ -53,7 +53,7 @@ def test_softmax_rows_and_reference():
     y = k(x=xa)
     z = np.exp(xa - xa.max(1, keepdims=True))
     np.testing.assert_allclose(y, z / z.sum(1, keepdims=True), rtol=3e-6, atol=1e-7)
-    np.testing.assert_allclose(y, tpp.reference.run(k.spec, xa), rtol=3e-6, atol=1e-7)
+    np.testing.assert_allclose(y, tpp.core.reference.run(k.spec, xa), rtol=3e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("m,n", [(1, 1), (7, 3), (5, 37), (17, 64), (3, 130)])
@@ -77,7 +77,7 @@ def test_reductions_both_axes_and_mixed_shapes(m, n):
     np.testing.assert_allclose(res.out, xa * cs - rm[:, None] + sa, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(res.total, [cs.sum()], rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(res.low, [rm.min()], rtol=1e-6)
-    for got, want in zip(res, tpp.reference.run(k.spec, xa, ca, sa)):
+    for got, want in zip(res, tpp.core.reference.run(k.spec, xa, ca, sa)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
@@ -88,7 +88,7 @@ def test_bf16_inputs_and_outputs_f32_statistics():
     g, b = _rand(n), _rand(n)
     res = ln(x=x, g=g, b=b, eps=1e-5)
     assert res.out.dtype == BF16.numpy and res.mu.dtype == np.float32
-    ref = tpp.reference.run(ln.spec, x, g, b, np.float32(1e-5))
+    ref = tpp.core.reference.run(ln.spec, x, g, b, np.float32(1e-5))
     np.testing.assert_allclose(res.out.astype(np.float32), ref[0].astype(np.float32),
                                rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(res.mu, ref[1], rtol=1e-5, atol=1e-6)

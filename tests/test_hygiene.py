@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import lru
+from tpp.runtime import lru
 from tpp_cpu import backend, sharedlib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +123,7 @@ def test_brgemm_variants_are_bounded():
 
 def test_process_wide_caches_keyed_by_user_input_are_bounded():
     import ops
-    from tpp import loops
+    from tpp.runtime import loops
     for cache in (loops._COMPILED, _matmul_module()._PLANS):
         assert isinstance(cache, lru.LRU)
     with pytest.raises(tpp.ArgumentError):            # an unhashable argument still fails

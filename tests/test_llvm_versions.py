@@ -43,7 +43,7 @@ def _ints(shape):
 def _guarded(rows, cols, dtype):
     """(view, buffer): a rows x cols view (row pitch cols + PAD) into a sentinel-filled buffer
     with one spare row; cols only (rows=None): a 1-D view followed by PAD elements."""
-    np_dtype = tpp.dtypes.lookup(dtype).numpy
+    np_dtype = tpp.core.dtypes.lookup(dtype).numpy
     if rows is None:
         big = np.full(cols + PAD, SENTINEL, np.uint16)
         return big.view(np_dtype)[:cols], big
@@ -53,7 +53,7 @@ def _guarded(rows, cols, dtype):
 
 def _check(big, view, want, dtype):
     """view holds want (bit-exact) and nothing else in big changed."""
-    np_dtype = tpp.dtypes.lookup(dtype).numpy
+    np_dtype = tpp.core.dtypes.lookup(dtype).numpy
     got_bits = view.view(np.uint16)
     want_bits = np.asarray(want, np.float32).astype(np_dtype).view(np.uint16)
     np.testing.assert_array_equal(got_bits, want_bits)

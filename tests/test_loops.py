@@ -2,7 +2,7 @@
 
 Which iterations run is observed through the nest itself: a body calling the `increment`
 unary in place on counts[values] leaves at each index the number of visits. `_walk` is an
-independent model of the order string (tpp.loop_spec semantics), against which the counts,
+independent model of the order string (tpp.core.loop_spec semantics), against which the counts,
 and for sequential nests the visiting order, are compared. Parallel nests run on 1, 2 and 3
 threads (more threads than cores; counts that do not divide the work); every test restores
 the environment's thread count.
@@ -14,7 +14,7 @@ import pytest
 
 import tpp
 from tpp import Loop
-from tpp.loops import compiled
+from tpp.runtime.loops import compiled
 
 INC = tpp.unary("increment", 1, 1)
 COPY = tpp.unary("identity", 1, 1)

@@ -1,10 +1,10 @@
-"""Every element-wise op's single definition (tpp.optable), as the CPU backend and the CUDA
+"""Every element-wise op's single definition (tpp.core.optable), as the CPU backend and the CUDA
 backend (run on the emulator, tests/cuda_emulator.py) render it, against INDEPENDENT formulas
-written here (float64 torch, numpy and math; not tpp.reference), on the op table's test inputs
+written here (float64 torch, numpy and math; not tpp.core.reference), on the op table's test inputs
 (its `domain` and `specials`) within its tolerance `tol`.
 
 Also: every op of the table has a rendering on every backend and a formula here (completeness);
-the transcendental expansions stay within their stated `tpp.mathlib` bounds; they compute the
+the transcendental expansions stay within their stated `tpp.core.mathlib` bounds; they compute the
 bits the hand-written LLVM vector math computed before they became IR (pinned CRCs); dropout's
 draws are murmur3's, computed here in plain Python.
 """
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import tpp
-from tpp import mathlib, optable
-from tpp.spec import make_binary, make_unary
+from tpp.core import mathlib, optable
+from tpp.core.spec import make_binary, make_unary
 from tpp_cuda import generators
 
 import cuda_emulator
@@ -185,7 +185,7 @@ def _expected(spec, inputs):
     """The independent formula on the inputs (float64), each output as an (m, n) array."""
     info, p = spec.info, dict(spec.params)
     x = [np.asarray(a, np.float64) if a.dtype != np.uint8 else
-         tpp.reference.unpack_mask(a, spec.n) for a in inputs]
+         tpp.core.reference.unpack_mask(a, spec.n) for a in inputs]
     with np.errstate(all="ignore"):
         fn = INDEPENDENT[spec.op]
         if info.family == "binary":
@@ -205,7 +205,7 @@ def _expected(spec, inputs):
 def _check(spec, got, want):
     info = spec.info
     if want.dtype == bool:
-        np.testing.assert_array_equal(tpp.reference.unpack_mask(got, spec.n), want,
+        np.testing.assert_array_equal(tpp.core.reference.unpack_mask(got, spec.n), want,
                                       err_msg=f"{spec.op}: bitmask")
         return
     rtol, atol = info.tol
@@ -373,10 +373,10 @@ def test_dropout_draws_are_murmur3():
     seed, m, n, p = 0x1234_5678_9ABC_DEF0, 5, 23, 0.3
     draws = np.array([[_murmur3_draw(seed, i * n + j) for j in range(n)] for i in range(m)],
                      np.uint32)
-    np.testing.assert_array_equal(tpp.reference.dropout_bits(seed, m, n), draws)
+    np.testing.assert_array_equal(tpp.core.reference.dropout_bits(seed, m, n), draws)
     x = np.random.default_rng(1).standard_normal((m, n)).astype(np.float32)
     y, mask = tpp.unary("dropout", m, n, p=p)(x, seed=seed)
     keep = draws >= min(round(p * 2 ** 32), 2 ** 32 - 1)
-    np.testing.assert_array_equal(tpp.reference.unpack_mask(mask, n), keep)
+    np.testing.assert_array_equal(tpp.core.reference.unpack_mask(mask, n), keep)
     np.testing.assert_array_equal(y, np.where(keep, x * np.float32(1 / (1 - p)), 0.0))
     assert math.isclose(keep.mean(), 1 - p, abs_tol=0.15)

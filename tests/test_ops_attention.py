@@ -11,7 +11,7 @@ import pytest
 
 import ops
 import tpp
-from tpp.errors import ArgumentError
+from tpp.core.errors import ArgumentError
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

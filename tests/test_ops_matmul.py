@@ -27,7 +27,7 @@ import ops
 import tpp
 from ops import blocked
 from support import assert_matches
-from tpp.errors import ArgumentError, TPPError
+from tpp.core.errors import ArgumentError, TPPError
 
 matmul_mod = importlib.import_module("ops.matmul")   # `ops.matmul` is the function
 packing_mod = importlib.import_module("ops.packing")
@@ -42,7 +42,7 @@ ACTS = (None, "relu", "gelu", "sigmoid", "tanh")
 
 
 def _np(dtype):
-    return tpp.dtypes.lookup(dtype).numpy
+    return tpp.core.dtypes.lookup(dtype).numpy
 
 
 def _data(rng, shape, dtype, scale=1.0):
@@ -272,7 +272,7 @@ def test_packed_layout(dtype, k, n, bn, bn_eff):
     pk = ops.pack_kn(b, bn=bn)
     pn = ops.pack_nk(np.ascontiguousarray(b.T), bn=bn)
     for p in (pk, pn):
-        assert (p.k, p.n, p.bn, p.dtype) == (k, n, bn_eff, tpp.dtypes.lookup(dtype))
+        assert (p.k, p.n, p.bn, p.dtype) == (k, n, bn_eff, tpp.core.dtypes.lookup(dtype))
         assert p.vnni == (dtype == "bf16") and p.blocks == want.shape[0]
         assert p.data.dtype == want.dtype and p.data.shape == want.shape
         np.testing.assert_array_equal(p.data.view(np.uint16 if dtype == "bf16" else np.uint32),

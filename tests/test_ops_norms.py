@@ -7,7 +7,7 @@ import pytest
 
 import ops.norms as N
 import tpp
-from tpp.errors import ArgumentError
+from tpp.core.errors import ArgumentError
 
 torch = pytest.importorskip("torch")
 import ops.torch_norms as tn  # noqa: E402

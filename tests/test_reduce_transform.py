@@ -1,5 +1,5 @@
 """Reductions (reduce_*) and data movement (transpose, vnni2, vnni2_inv, gather_rows,
-scatter_rows) against tpp.reference: values for reductions, bits for the movers, and nothing
+scatter_rows) against tpp.core.reference: values for reductions, bits for the movers, and nothing
 written outside the output block."""
 import re
 
@@ -23,7 +23,7 @@ _OUT_TINY = {"f32": 0.0, "bf16": 0.0, "f16": 2.0 ** -24}   # f16 subnormal spaci
 
 
 def _np(dtype):
-    return tpp.dtypes.lookup(dtype).numpy
+    return tpp.core.dtypes.lookup(dtype).numpy
 
 
 def _shape_id(s):
@@ -82,7 +82,7 @@ def _run_reduce(op, m, n, axis, dtype_in, dtype_out=None, pad=0, x=None):
     assert got is out or np.shares_memory(got, out)
     assert buf[0] == sentinel and buf[-1] == sentinel, "wrote outside the output vector"
     with np.errstate(invalid="ignore", over="ignore"):   # inf - inf in the reference's sums
-        want = tpp.reference.run(spec, x)
+        want = tpp.core.reference.run(spec, x)
     _check_reduce(spec, x, out, want)
     return out
 
@@ -202,7 +202,7 @@ def _run_mover(op, m, n, dtype, pad_in=0, pad_out=0, dup=True):
     before = big.copy()
     got = k(*inputs, out=out)
     assert np.shares_memory(got, out)
-    want = tpp.reference.run(spec, *ref_inputs)
+    want = tpp.core.reference.run(spec, *ref_inputs)
     assert want.shape == out.shape
     if not np.array_equal(_bits(out), _bits(want)):
         bad = np.argwhere(_bits(out) != _bits(want))
@@ -252,7 +252,7 @@ def _run_strided(op, m, n, dtype, ldi, ldo, shift=0):
     out = big[1:out_rows + 1, shift:shift + out_cols].view(_np(dtype))
     before = big.copy()
     k(xv, out=out)
-    want = tpp.reference.run(k.spec, x)
+    want = tpp.core.reference.run(k.spec, x)
     if not np.array_equal(_bits(out), _bits(want)):
         bad = np.argwhere(_bits(out) != _bits(want))
         raise AssertionError(f"{op} {dtype} {m}x{n}: {len(bad)} elements differ, first at "

@@ -13,7 +13,7 @@ import torch
 import ops
 import tpp
 from ops import blocked
-from tpp.errors import ArgumentError, SpecError
+from tpp.core.errors import ArgumentError, SpecError
 
 MS = (1, 7, 63, 64, 65, 1000)
 
@@ -176,7 +176,7 @@ def test_linear_3d_batch_and_sequence_reuse_one_nest():
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_matmul_several_m_one_compile(dtype):
     rng = np.random.default_rng(4)
-    npdt = tpp.dtypes.lookup(dtype).numpy
+    npdt = tpp.core.dtypes.lookup(dtype).numpy
     b = rng.standard_normal((45, 33)).astype(np.float32).astype(npdt)
     pb = ops.pack_kn(b)
     ops.matmul(np.zeros((2, 45), npdt), pb)
@@ -246,7 +246,7 @@ def test_generated_nest_keeps_compile_time_kernels():
 def test_a_size_only_seeds_use_does_not_redo_the_bounds_check(monkeypatch):
     """A per-call seed passed as a size moves no address: a new seed value needs no new
     bounds check; a size that also moves an address still does."""
-    import tpp.loops as loops
+    import tpp.runtime.loops as loops
     M, S = tpp.size("M"), tpp.size("S")
     nest = tpp.LoopNest("a", a=M)
     x, y = nest.tensor("x", (M, 16)), nest.tensor("y", (M, 16))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tpp
-from tpp import arrays
-from tpp.errors import ArgumentError
+from tpp.runtime import arrays
+from tpp.core.errors import ArgumentError
 
 rng = np.random.default_rng(21)
 
@@ -292,7 +292,7 @@ def test_linear_thin_path_falls_back_to_the_checked_way(kind):
 def test_linear_thin_path_checks_torch_devices():
     torch = pytest.importorskip("torch")
     import ops
-    from tpp.errors import UnsupportedError
+    from tpp.core.errors import UnsupportedError
     x, w, b = _linear_case("torch")
     pw = ops.pack_nk(w)
     ops.linear(x, pw, b)

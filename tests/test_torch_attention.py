@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import ops.torch_attention as ta                    # noqa: E402
-from tpp.errors import TPPError, UnsupportedError   # noqa: E402
+from tpp.core.errors import TPPError, UnsupportedError   # noqa: E402
 
 
 # ---------------------------------------------------------------- the operator

@@ -1,6 +1,6 @@
 """Accuracy / special-value / codegen tests for tpp_cpu.vecmath (the transcendental expansions
-of tpp.transcendentals, rendered to LLVM IR by tpp_cpu.expr_llvm); each stays within the bound
-that tpp.mathlib states.
+of tpp.core.transcendentals, rendered to LLVM IR by tpp_cpu.expr_llvm); each stays within the bound
+that tpp.core.mathlib states.
 
 A small self-contained harness JIT-compiles ``void f(float* in, float* out, i64 n)``
 that applies one vecmath function to n floats, W lanes at a time (n must be a
@@ -21,7 +21,7 @@ import llvmlite.binding as llvm
 import llvmlite.ir as ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tpp import mathlib  # noqa: E402
+from tpp.core import mathlib  # noqa: E402
 from tpp_cpu import vecmath as vm  # noqa: E402
 
 llvm.initialize_native_target()

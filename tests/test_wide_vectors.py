@@ -42,16 +42,16 @@ CASES = [
 def test_sixteen_lane_code_matches_reference(sixteen_lanes, family, op, params, shape, dtype):
     m, n = shape
     if family == "unary":
-        spec = tpp.spec.make_unary(op, m, n, dtype_in=dtype, **params)
+        spec = tpp.core.spec.make_unary(op, m, n, dtype_in=dtype, **params)
     else:
-        spec = tpp.spec.make_binary(op, m, n, dtype_in0=dtype, **params)
+        spec = tpp.core.spec.make_binary(op, m, n, dtype_in0=dtype, **params)
     run_checked(tpp.Kernel(spec), seed=7 if op == "dropout" else None)
 
 
 def test_vnni2_with_sixteen_lanes(sixteen_lanes):
     for m, n in [(1, 1), (5, 17), (32, 40)]:
-        run_checked(tpp.Kernel(tpp.spec.make_unary("vnni2", m, n, dtype_in="bf16")))
-        run_checked(tpp.Kernel(tpp.spec.make_unary("vnni2_inv", m, n, dtype_in="f16")))
+        run_checked(tpp.Kernel(tpp.core.spec.make_unary("vnni2", m, n, dtype_in="bf16")))
+        run_checked(tpp.Kernel(tpp.core.spec.make_unary("vnni2_inv", m, n, dtype_in="f16")))
 
 
 BRGEMM_CASES = [   # (m, n, k, count, spec options): tails in m, n and odd k, every code path
@@ -83,14 +83,14 @@ def test_brgemm_sixteen_lane_code_matches_reference(sixteen_lanes, m, n, k, coun
         kw["bias"] = data(n, spec.dtype_c)
         extra.append(kw["bias"])
     got = tpp.BrgemmKernel(spec)(a, b, c, **kw)
-    want = tpp.reference.run(spec, a, b, *extra)
+    want = tpp.core.reference.run(spec, a, b, *extra)
     if spec.bitmask:
         got, mask = got
         want, want_mask = want
-        pre = tpp.reference.run(spec.replace(activation=None, bitmask=False), a, b, *extra)
+        pre = tpp.core.reference.run(spec.replace(activation=None, bitmask=False), a, b, *extra)
         clear = np.abs(pre) > 1e-4
-        bits = tpp.reference.unpack_mask(mask, n)
-        np.testing.assert_array_equal(bits[clear], tpp.reference.unpack_mask(want_mask, n)[clear])
+        bits = tpp.core.reference.unpack_mask(mask, n)
+        np.testing.assert_array_equal(bits[clear], tpp.core.reference.unpack_mask(want_mask, n)[clear])
     rtol = {"f32": 2e-5, "bf16": 2 ** -7, "f16": 2 ** -10}[spec.dtype_c.name]
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
                                atol=1e-5 * np.sqrt(k * count))

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Measure the error of every transcendental expansion (tpp.transcendentals) as the CPU
-backend renders it, against its exact float64 meaning (tpp.mathlib.PRIMS[name].exact).
+"""Measure the error of every transcendental expansion (tpp.core.transcendentals) as the CPU
+backend renders it, against its exact float64 meaning (tpp.core.mathlib.PRIMS[name].exact).
 
 Run:  python tools/measure_transcendentals.py [names...] [--exhaustive-log] [--n N]
 
 For each function: N random bit patterns (every exponent, both signs), a dense grid over
 [-30, 30] and the special values. Prints the max relative error where the exact result is a
-normal f32 (the `bound` that tpp.mathlib states) and the max absolute error in units of 2^-149
+normal f32 (the `bound` that tpp.core.mathlib states) and the max absolute error in units of 2^-149
 where it is subnormal. --exhaustive-log runs log on every positive finite f32 (2^31 - 2^23
 inputs, ~1 min), which is how log's bound was measured.
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import llvmlite.binding as llvm  # noqa: E402
 import llvmlite.ir as ir  # noqa: E402
 
-from tpp import mathlib  # noqa: E402
+from tpp.core import mathlib  # noqa: E402
 from tpp_cpu import vecmath  # noqa: E402
 
 TINY = 2.0 ** -126

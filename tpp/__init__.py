@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import functools
 
-from . import reference
-from .dtypes import BF16, F16, F32
-from .errors import ArgumentError, CompileError, SpecError, TPPError, UnsupportedError
-from .brgemm_kernel import BrgemmKernel
-from .brgemm_spec import BrgemmSpec, make_brgemm
-from .kernel import Kernel
-from .equations import Equation, EquationKernel, EquationSpec
-from .autodiff import grad
-from .loop_spec import Loop
-from .loops import LoopNest, size
-from .optable import BINARY_OPS, UNARY_OPS
-from .spec import BinarySpec, UnarySpec, make_binary, make_unary
+from .core import reference
+from .core.dtypes import BF16, F16, F32
+from .core.errors import ArgumentError, CompileError, SpecError, TPPError, UnsupportedError
+from .runtime.brgemm_kernel import BrgemmKernel
+from .core.brgemm_spec import BrgemmSpec, make_brgemm
+from .runtime.kernel import Kernel
+from .runtime.equations import Equation, EquationKernel, EquationSpec
+from .core.autodiff import grad
+from .core.loop_spec import Loop
+from .runtime.loops import LoopNest, size
+from .core.optable import BINARY_OPS, UNARY_OPS
+from .core.spec import BinarySpec, UnarySpec, make_binary, make_unary
 
 __version__ = "0.1.0"
 
@@ -55,7 +55,7 @@ def kernel(spec) -> Kernel:
 
 
 def equation(m, n) -> Equation:
-    """A new equation over an (m, n) block; see the tpp.equations module docstring."""
+    """A new equation over an (m, n) block; see the tpp.runtime.equations module docstring."""
     return Equation(m, n)
 
 
@@ -78,7 +78,7 @@ def binary(op, m, n, *, ldi0=None, ldi1=None, ldo=None, dtype_in0="f32", dtype_i
 def brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b=None, dtype_c=None,
            dtype_comp="f32", beta=0, trans_a=False, trans_b=False, vnni_b=False, batch="stride",
            bias=None, activation=None, bitmask=False, **unknown) -> BrgemmKernel:
-    """Batch-reduce GEMM: C = act(beta*C + sum_i A_i @ B_i + bias); see tpp.brgemm_spec. An
+    """Batch-reduce GEMM: C = act(beta*C + sum_i A_i @ B_i + bias); see tpp.core.brgemm_spec. An
     unknown keyword is a SpecError."""
     return kernel(make_brgemm(m, n, k, lda=lda, ldb=ldb, ldc=ldc, dtype_a=dtype_a,
                               dtype_b=dtype_b, dtype_c=dtype_c, dtype_comp=dtype_comp, beta=beta,
@@ -89,11 +89,11 @@ def brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b=None
 def clear_caches() -> None:
     """Empty every process-wide cache: the Kernel of each spec (tpp.kernel), the compiled
     row-stride variants of every kernel, compiled loop nests, ops.matmul's plans and nests,
-    tpp_cuda's compiled functions, and whatever else registered with tpp.lru. Kernels and nests
+    tpp_cuda's compiled functions, and whatever else registered with tpp.runtime.lru. Kernels and nests
     already in hand keep working (compiled code stays loaded for the life of the process);
     anything asked for again is rebuilt, from the disk cache when it has it. The disk cache
     itself and the counters of cache_info() are left alone."""
-    from . import lru
+    from .runtime import lru
     kernel.cache_clear()
     lru.clear_all()
 
@@ -105,7 +105,7 @@ def cache_info() -> dict:
     and compiled by LLVM so far) and "disk_hits" (kernels loaded from the disk cache so far).
     The last two only grow."""
     from tpp_cpu.backend import COUNTS
-    from . import lru
+    from .runtime import lru
     info = dict.fromkeys(("variants", "loop_nests", "matmul_plans", "cuda_functions"), 0)
     info.update(lru.sizes())
     info.update(kernels=kernel.cache_info().currsize, compiled=COUNTS["built"],

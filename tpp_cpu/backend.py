@@ -20,8 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpp import cache
-from tpp.errors import ArgumentError, UnsupportedError
+from tpp.runtime import cache
+from tpp.core.errors import ArgumentError, UnsupportedError
 
 from . import jit, sharedlib
 from .target import Target, current
@@ -59,7 +59,7 @@ def generator_version() -> str:
     h = hashlib.sha256()
     for pkg in ("tpp", "tpp_cpu"):
         root = Path(__file__).resolve().parent.parent / pkg
-        for path in sorted(root.glob("*.py")):
+        for path in sorted(root.rglob("*.py")):
             h.update(path.name.encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]

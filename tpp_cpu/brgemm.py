@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from tpp import optable
-from tpp.spec import mask_bytes
+from tpp.core import optable
+from tpp.core.spec import mask_bytes
 
 from . import irx, mapops
 from .brgemm_blocking import plan

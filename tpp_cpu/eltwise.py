@@ -2,7 +2,7 @@
 
 Shape of the code: a loop over the m rows; in each row a loop over full vectors of `lanes`
 columns and, when n is not a multiple of lanes, one masked tail vector. Every input is widened to
-f32, the op's definition (`tpp.optable`, rendered by `mapops`) is applied, and the result is
+f32, the op's definition (`tpp.core.optable`, rendered by `mapops`) is applied, and the result is
 narrowed to the output dtype.
 Broadcast inputs are loaded once where they do not depend on the loop: a scalar before the row
 loop, a column element per row, a row vector per column chunk.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from tpp.spec import mask_bytes
+from tpp.core.spec import mask_bytes
 
 from . import irx, mapops
 from .irx import I32, i64

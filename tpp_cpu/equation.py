@@ -1,4 +1,4 @@
-"""The generator of equations (tpp.equations): one kernel for a graph of element-wise nodes and
+"""The generator of equations (tpp.runtime.equations): one kernel for a graph of element-wise nodes and
 reductions over an (m, n) block.
 
 The graph's nodes are rendered by tpp_cpu.expr_llvm on `lanes`-wide vectors of a row (full
@@ -25,10 +25,10 @@ import math
 
 from llvmlite import ir
 
-from tpp import expr as X
-from tpp.equations import MAX_STAGE_ELEMENTS
-from tpp.errors import UnsupportedError
-from tpp.spec import mask_bytes
+from tpp.core import expr as X
+from tpp.core.equation_spec import MAX_STAGE_ELEMENTS
+from tpp.core.errors import UnsupportedError
+from tpp.core.spec import mask_bytes
 
 from . import expr_llvm, irx
 from .irx import F32, I32, const, i64, vec

@@ -1,19 +1,19 @@
-"""The LLVM rendering of the expression IR (`tpp.expr`): one instruction (or intrinsic) per node.
+"""The LLVM rendering of the expression IR (`tpp.core.expr`): one instruction (or intrinsic) per node.
 
 `render(outputs, b, w, leaf)` emits the nodes the outputs depend on, each once, as `w`-lane
 vectors (f32 -> <w x float>, i32 -> <w x i32>, bool -> <w x i1>) and returns the outputs'
 values. `leaf(node)` supplies the value of every node this module does not compute itself:
 inputs, params, extents, indices, the seed words, mask bits and reduction results, already
 widened to w lanes (a generator hoists broadcast leaves out of its loops and hands the same
-value back each time). Named transcendentals render their `tpp.mathlib` expansion, so the
+value back each time). Named transcendentals render their `tpp.core.mathlib` expansion, so the
 CPU runs exactly the code every other backend runs.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 
-from tpp import expr as X
-from tpp import mathlib
+from tpp.core import expr as X
+from tpp.core import mathlib
 
 from . import irx
 from .irx import F32, I1, I32, const, vec
@@ -90,6 +90,6 @@ def _emit(nd, b, w, leaf, memo):
 
 
 def _prim(nd, b, w, leaf, memo):
-    """A named transcendental: its `tpp.mathlib` expansion, rendered like any other nodes."""
+    """A named transcendental: its `tpp.core.mathlib` expansion, rendered like any other nodes."""
     body = mathlib.PRIMS[nd.attr[0]].expand(*nd.args)
     return render([body], b, w, leaf, memo)[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from tpp.errors import CompileError
+from tpp.core.errors import CompileError
 
 _LOCK = threading.RLock()
 

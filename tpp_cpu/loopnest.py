@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from tpp.loop_spec import LETTERS, SIZE, Address
+from tpp.core.loop_spec import LETTERS, SIZE, Address
 
 from . import irx
 from .irx import I32, I64, PTR

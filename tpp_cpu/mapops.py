@@ -1,4 +1,4 @@
-"""The LLVM vector code of an element-wise op: its one definition (`tpp.optable`), rendered
+"""The LLVM vector code of an element-wise op: its one definition (`tpp.core.optable`), rendered
 node by node by `tpp_cpu.expr_llvm`.
 
 `render(info, params, b, w, values, flat_index=None, seed=None)` returns the op's output
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from tpp import expr as X
-from tpp import optable
-from tpp.errors import UnsupportedError
+from tpp.core import expr as X
+from tpp.core import optable
+from tpp.core.errors import UnsupportedError
 
 from . import expr_llvm, irx
 from .irx import I32

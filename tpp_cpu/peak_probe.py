@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 from llvmlite import ir
 
-from tpp.arrays import ffi
-from tpp.errors import UnsupportedError
+from tpp.runtime.arrays import ffi
+from tpp.core.errors import UnsupportedError
 
 from . import irx, jit
 from .target import Target, current

@@ -16,7 +16,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-from tpp.errors import UnsupportedError
+from tpp.core.errors import UnsupportedError
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import ctypes
 import functools
 import os
 
-from tpp.checks import MAX_THREADS, thread_count
-from tpp.errors import ArgumentError
+from tpp.core.checks import MAX_THREADS, thread_count
+from tpp.core.errors import ArgumentError
 
 from .loopnest import RUNTIME
 

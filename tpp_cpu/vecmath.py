@@ -1,16 +1,16 @@
 """Vector float32 transcendentals as straight-line LLVM IR: `f(builder, x) -> value`.
 
-A thin shim over the expression IR: each function renders the `tpp.mathlib` expansion of the
-transcendental of its name (`tpp.transcendentals`, which documents the methods, special values
+A thin shim over the expression IR: each function renders the `tpp.core.mathlib` expansion of the
+transcendental of its name (`tpp.core.transcendentals`, which documents the methods, special values
 and costs) with `tpp_cpu.expr_llvm`. `x` is an `llvmlite.ir.Value` of type `<W x float>` (any
 W >= 1) or a plain `float`; the result has the same type and is bitwise the same for every W.
 The IR is branch-free and calls only LLVM intrinsics, declared on `builder.module`.
 """
 from llvmlite import ir
 
-from tpp import expr as X
-from tpp import mathlib
-from tpp.mathlib_coeffs import *  # noqa: F401,F403  (the fitted tables, for tools and tests)
+from tpp.core import expr as X
+from tpp.core import mathlib
+from tpp.core.mathlib_coeffs import *  # noqa: F401,F403  (the fitted tables, for tools and tests)
 
 from . import expr_llvm
 from .irx import F32, I32
@@ -36,7 +36,7 @@ def _function(name):
     def f(b, x):
         return _render(name, b, x)
     f.__name__ = f.__qualname__ = name
-    f.__doc__ = f"{name}(x) rendered from tpp.transcendentals.{name}."
+    f.__doc__ = f"{name}(x) rendered from tpp.core.transcendentals.{name}."
     return f
 
 

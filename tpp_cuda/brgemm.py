@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tpp.errors import UnsupportedError
+from tpp.core.errors import UnsupportedError
 
 from . import eltwise, ptx
 from .brgemm_mma import _mma_source

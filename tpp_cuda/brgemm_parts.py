@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpp import optable
-from tpp.spec import mask_bytes
+from tpp.core import optable
+from tpp.core.spec import mask_bytes
 
 from . import eltwise
 
@@ -149,7 +149,7 @@ def _block_pointer(spec, name) -> str:
 
 
 def _finish_fn(spec) -> str:
-    """The per-element epilogue: beta*C + bias, the activation (its `tpp.optable` definition,
+    """The per-element epilogue: beta*C + bias, the activation (its `tpp.core.optable` definition,
     rendered like the element-wise kernels'), the rounded store; returns the relu mask bit
     (0 outside the block)."""
     tc, load, store = _CTYPE[spec.dtype_c.name], _LOAD[spec.dtype_c.name], _STORE[spec.dtype_c.name]

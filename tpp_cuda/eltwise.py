@@ -4,7 +4,7 @@ One `extern "C" __global__` kernel per spec. Its arguments are one pointer per o
 `spec.operands()`, in order, then `long long seed` when the definition draws random bits
 (dropout): the CPU ABI's order. The sizes and leading dimensions are baked in as constants; a
 2-D grid-stride loop runs over rows (y) and column chunks (x). Inputs are loaded
-and widened to float, the op's definition (`tpp.optable`) is computed in float, rendered node by
+and widened to float, the op's definition (`tpp.core.optable`) is computed in float, rendered node by
 node by `tpp_cuda.expr_cuda` (so the results are the CPU backend's bits), and the result is
 rounded to the output dtype with round-to-nearest-even. A bitmask input reads as a bool. The
 definition's other leaves are C expressions: X.index("flat") is the element's flat index
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import hashlib
 
-from tpp import optable
-from tpp.errors import UnsupportedError
-from tpp.spec import mask_bytes
+from tpp.core import optable
+from tpp.core.errors import UnsupportedError
+from tpp.core.spec import mask_bytes
 
 from . import expr_cuda
 from .launch import Launch, grid_stride_2d
@@ -96,7 +96,7 @@ _LEAVES = {("index", "flat"): "(unsigned int)(i * N + j)",
 
 
 def body(definition, variables: dict, prefix: str = "e") -> tuple:
-    """(lines, values): the C statements of an element-wise definition (`tpp.optable`) whose
+    """(lines, values): the C statements of an element-wise definition (`tpp.core.optable`) whose
     inputs are loaded into `variables` (operand name -> C variable), and the C expressions of
     its outputs. The flat index and the seed words (dropout) read the locals i, j, N and the
     argument seed of `source`'s kernel."""

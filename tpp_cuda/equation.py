@@ -1,4 +1,4 @@
-"""CUDA C source for equations (tpp.equations): one kernel, one warp per row.
+"""CUDA C source for equations (tpp.runtime.equations): one kernel, one warp per row.
 
 The kernel's arguments are one pointer per operand of `spec.operands()` (inputs, params,
 outputs) and the int64 seed when the graph draws random bits: the CPU ABI's order. Each warp
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import hashlib
 
-from tpp import expr as X
-from tpp.errors import UnsupportedError
-from tpp.spec import mask_bytes
+from tpp.core import expr as X
+from tpp.core.errors import UnsupportedError
+from tpp.core.spec import mask_bytes
 
 from . import expr_cuda
 from .eltwise import _CTYPE, _LOAD, _PREAMBLE, _STORE

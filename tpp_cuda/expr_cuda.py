@@ -1,4 +1,4 @@
-"""The CUDA C rendering of the expression IR (`tpp.expr`): one SSA temporary per node.
+"""The CUDA C rendering of the expression IR (`tpp.core.expr`): one SSA temporary per node.
 
 `render(outputs, leaf, prefix="e")` returns (lines, values): the C statements that compute
 every node the outputs depend on, each once, as `const` locals named prefix0, prefix1, ...
@@ -7,7 +7,7 @@ every node the outputs depend on, each once, as `const` locals named prefix0, pr
 bits, indices, seed words, extents) and of every reduction node (whose argument is not
 rendered); it may raise ValueError for one the caller cannot supply. A leaf expression is
 inlined where it is used (parenthesized unless it is a name or a literal). Named transcendentals
-render their `tpp.mathlib` expansion, so CUDA runs the very code the CPU backend runs.
+render their `tpp.core.mathlib` expansion, so CUDA runs the very code the CPU backend runs.
 
 Rounding is spelled out so that nvcc can neither contract a*b + c into an fma nor substitute
 an approximation: __fadd_rn / __fsub_rn / __fmul_rn / __fdiv_rn / __fmaf_rn / __fsqrt_rn
@@ -23,8 +23,8 @@ import math
 import re
 import struct
 
-from tpp import expr as X
-from tpp import mathlib
+from tpp.core import expr as X
+from tpp.core import mathlib
 
 PREAMBLE = r"""#ifndef TPP_CUDA_EXPR_PREAMBLE
 #define TPP_CUDA_EXPR_PREAMBLE

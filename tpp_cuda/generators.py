@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from tpp.errors import UnsupportedError
+from tpp.core.errors import UnsupportedError
 
 from . import eltwise, transform
 

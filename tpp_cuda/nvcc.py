@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import tempfile
 
-from tpp.errors import CompileError, SpecError, UnsupportedError
+from tpp.core.errors import CompileError, SpecError, UnsupportedError
 
 
 def available() -> bool:

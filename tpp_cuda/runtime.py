@@ -17,8 +17,8 @@ import os
 
 import numpy as np
 
-from tpp.errors import CompileError, UnsupportedError
-from tpp.lru import LRU
+from tpp.core.errors import CompileError, UnsupportedError
+from tpp.runtime.lru import LRU
 
 from . import generators
 
@@ -152,7 +152,7 @@ def function(spec, device: int) -> CudaFunction:
 
 def empty(shape, dtype, device: int, like_torch: bool):
     """An uninitialised device array (torch CUDA tensor if like_torch, else cupy) of a
-    tpp.dtypes.DType on `device`."""
+    tpp.core.dtypes.DType on `device`."""
     require(device)
     if like_torch:
         import torch

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 
-from tpp.errors import UnsupportedError
+from tpp.core.errors import UnsupportedError
 
 from .eltwise import _CTYPE, _LOAD, _PREAMBLE, _STORE
 from .launch import Launch, grid_stride_2d

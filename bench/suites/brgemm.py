@@ -239,11 +239,11 @@ def _torch_run(torch, case: Case, d: dict):
 
 
 def _verify(ctx, label, kernel, d, b_stored, got) -> bool | None:
-    """Compare the C the timed calls left with tpp.reference (float64 sums)."""
+    """Compare the C the timed calls left with tpp.core.reference (float64 sums)."""
     import tpp
     try:
         inputs = [d["a"], b_stored] + ([d["bias"]] if kernel.spec.bias else [])
-        want = tpp.reference.run(kernel.spec, *inputs)
+        want = tpp.core.reference.run(kernel.spec, *inputs)
         scale = float(np.max(np.abs(want))) or 1.0
         err = float(np.max(np.abs(got.astype(np.float64) - want)))
     except Exception as exc:  # noqa: BLE001
@@ -251,6 +251,6 @@ def _verify(ctx, label, kernel, d, b_stored, got) -> bool | None:
         return None
     if err > 1e-5 * scale * np.sqrt(kernel.spec.k * d["a"].shape[0]):
         ctx.note(f"{label} tpp: WRONG RESULTS (max abs error {err:.3g}, largest |C| "
-                 f"{scale:.3g}, vs tpp.reference); its GFLOP/s is not meaningful")
+                 f"{scale:.3g}, vs tpp.core.reference); its GFLOP/s is not meaningful")
         return False
     return True

@@ -133,8 +133,8 @@ def eltwise(ctx):
 
 
 def _verify_eltwise(ctx, label, kernel, inputs, out):
-    """Compare the first rows with tpp.reference (the whole block would take too long)."""
-    from tpp import reference
+    """Compare the first rows with tpp.core.reference (the whole block would take too long)."""
+    from tpp.core import reference
     rows = 4
     spec = kernel.spec.replace(m=rows)
     host = [inp.get() for inp in inputs]
@@ -142,7 +142,7 @@ def _verify_eltwise(ctx, label, kernel, inputs, out):
     want = reference.run(spec, *host)
     got = out[:rows].get()
     if not np.allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True):
-        ctx.note(f"{label}: tpp's output differs from tpp.reference")
+        ctx.note(f"{label}: tpp's output differs from tpp.core.reference")
 
 
 def _gemm_operands(cupy, dtype, n, k):

@@ -24,7 +24,7 @@ from ._common import bandwidth_record, call_path, empty, filled, timed_group, tp
 SHAPES = [(64, 64), (4096, 4096)]
 TINY_SHAPES = [(64, 64), (256, 256)]
 
-# rows checked against tpp.reference on large blocks (the reference is exact and slow)
+# rows checked against tpp.core.reference on large blocks (the reference is exact and slow)
 _VERIFY_ROWS = 8
 
 
@@ -199,7 +199,7 @@ def _tpp_arrays(k, arrays: dict) -> dict:
 
 
 def _verify(ctx, label, k, named, case) -> bool | None:
-    """Compare the output the timed calls left with tpp.reference on the first rows."""
+    """Compare the output the timed calls left with tpp.core.reference on the first rows."""
     import tpp
     spec = k.spec
     rows = min(spec.m, _VERIFY_ROWS)
@@ -210,7 +210,7 @@ def _verify(ctx, label, k, named, case) -> bool | None:
             if o.role == "in":
                 a = named[o.name]
                 inputs.append(a[:rows] if o.layout == "block" else a)
-        want = tpp.reference.run(sub, *inputs)
+        want = tpp.core.reference.run(sub, *inputs)
         out_op = [o for o in sub.operands() if o.role != "in"][0]
         got = named["out"]
         if out_op.layout == "block":
@@ -223,6 +223,6 @@ def _verify(ctx, label, k, named, case) -> bool | None:
         return None
     if not ok:
         err = float(np.max(np.abs(got.astype(np.float64) - want)))
-        ctx.note(f"{label} tpp: WRONG RESULTS (max abs error {err:.3g} vs tpp.reference); "
+        ctx.note(f"{label} tpp: WRONG RESULTS (max abs error {err:.3g} vs tpp.core.reference); "
                  f"its bandwidth is not meaningful")
     return ok

@@ -22,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays
-from .checks import reject_unknown_call
-from .errors import ArgumentError
+from ..core.checks import reject_unknown_call
+from ..core.errors import ArgumentError
 from .lru import LRU, VARIANTS_PER_KERNEL
 
 _INPLACE_KINDS = ("map", "map_inv", "compare", "equation")
@@ -65,7 +65,7 @@ class KernelBase:
 
 
 class _Plan(NamedTuple):
-    """What a checked call decides from its arrays' signatures alone (tpp.arrays.signature):
+    """What a checked call decides from its arrays' signatures alone (tpp.runtime.arrays.signature):
     made by the first call with those signatures, reused by every later one."""
     layouts: tuple        # one Layout per operand (of the array a missing output gets)
     lds: tuple            # the lds to compile for

@@ -30,7 +30,7 @@ Ops (kind of the result in brackets):
   bool        and_ or_ not_ ; select also chooses between bools
   i32         bits(x) (f32 -> i32 bitcast) iadd isub imul iand ior ixor inot shl lshr (logical)
               islt (signed <) iuge (unsigned >=) [bool]
-  prim        a named transcendental (exp, log, erf, tanh, gelu, ...): see `tpp.mathlib`,
+  prim        a named transcendental (exp, log, erf, tanh, gelu, ...): see `tpp.core.mathlib`,
               which states each one's error bound, its exact float64 meaning (what the numpy
               reference computes) and its expansion into the nodes above (what the CPU and
               CUDA backends render, so both give the same bits)
@@ -308,7 +308,7 @@ def iuge(a, b): return node("iuge", (_i(a), _i(b)), kind="bool")
 
 # ---------------------------------------------------------------- named transcendentals
 def prim(name: str, *args) -> Node:
-    """A named transcendental of `tpp.mathlib` applied to f32 args."""
+    """A named transcendental of `tpp.core.mathlib` applied to f32 args."""
     from . import mathlib
     if name not in mathlib.PRIMS:
         raise SpecError(f"unknown transcendental {name!r}; known: {', '.join(mathlib.PRIMS)}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ArgumentError, UnsupportedError
+from ..core.errors import ArgumentError, UnsupportedError
 
 _DLPACK_CUDA = 2          # kDLCUDA in DLPack's DLDeviceType
 

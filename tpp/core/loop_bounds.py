@@ -14,7 +14,7 @@ It costs O(calls x terms): never O(iterations). Each address's range is bounded 
 over the loop ranges (narrowed by single-variable guards), which always contains every value
 the address takes. A nest without sizes runs it once, when the spec is built (SpecError); a
 nest with sizes when it is called with sizes not seen before (ArgumentError, cached per sizes
-by tpp.loops.CompiledNest). When a loop has no iteration for these sizes, nothing runs and
+by tpp.runtime.loops.CompiledNest). When a loop has no iteration for these sizes, nothing runs and
 nothing is checked but the loop bounds.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ use them (affine, like the loop values; a loop's start, step and blocks are ints
 without sizes is checked once, when its spec is built, in exact integers: every address every
 call can touch must lie inside its tensor, and every value the generated int64 code compares or
 divides must be an int64, or the spec is a SpecError. A nest with sizes gets the same complete
-check at call time, for the sizes of that call (`tpp.loop_bounds.check`, an ArgumentError):
+check at call time, for the sizes of that call (`tpp.core.loop_bounds.check`, an ArgumentError):
 no nest can read or write outside the arrays it is given. Tensors and loop values are bounded
 by checks.ADDRESS_LIMIT; a loop whose stop (a size expression) is at or before its start runs
 no iteration, and then the body never runs.

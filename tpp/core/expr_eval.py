@@ -5,7 +5,7 @@ numpy array per output, of the output's shape class as a 2-D array ((m, n) block
 (m, 1) col, (1, 1) scalar).
 
 mode="exact" (the reference): f32 nodes are computed in float64 from exactly widened inputs,
-named transcendentals by their exact float64 meaning (`tpp.mathlib`), with no rounding except
+named transcendentals by their exact float64 meaning (`tpp.core.mathlib`), with no rounding except
 at `round_f32` nodes; callers round the results once to f32. mode="f32": every f32 node rounds
 to float32 as the compiled code does, and transcendentals run their expansion (an emulator of
 what the backends render: the same bits as the CPU code except where double rounding of an fma

@@ -19,7 +19,7 @@
     rows.compile()(x_any_m, y_any_m)                     # M from the arrays' shapes
 
 Loops are given as keywords named a, b, c, ... in order: `n` (range(n)), `(start, stop)`,
-`(start, stop, step)`, `(start, stop, step, blocks)` or a `Loop`. See tpp.loop_spec for the
+`(start, stop, step)`, `(start, stop, step, blocks)` or a `Loop`. See tpp.core.loop_spec for the
 order string (upper case: parallel; a repeated letter: another blocking level) and for what
 the body sees. Loop expressions combine the variables with +, -, * by ints and // by positive
 ints; comparisons of them guard calls (when=(a == 0) & (b < 2)). Indexing a tensor with loop
@@ -29,7 +29,7 @@ Sizes (`tpp.size(name)`) are symbols a nest takes at call time: loop stops, tens
 BRGEMM counts, addresses and conditions may use them. A tensor dimension that is exactly a
 size gives it from the array's shape; other sizes are keywords of the call (nest(x, M=5)).
 Every address a call can touch is checked against its tensor when the nest is built (or, with
-sizes, once per new assignment of sizes when it is called: tpp.loop_bounds), and every array
+sizes, once per new assignment of sizes when it is called: tpp.core.loop_bounds), and every array
 against its tensor's shape and dtype when the nest is called, so a nest never reads or writes
 outside the arrays it is given.
 """
@@ -41,11 +41,12 @@ import threading
 
 import numpy as np
 
-from . import arrays, checks, loop_bounds
-from . import dtypes as _dt
-from .errors import ArgumentError, SpecError, UnsupportedError
+from . import arrays
+from ..core import checks, loop_bounds
+from ..core import dtypes as _dt
+from ..core.errors import ArgumentError, SpecError, UnsupportedError
 from .lru import LRU
-from .loop_spec import (LETTERS, SIZE, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
+from ..core.loop_spec import (LETTERS, SIZE, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
                         affine, conditions, parse_order, raw_operands, size_symbol)
 
 _RESERVED = ("threads",)     # keywords of a nest's call that no size may take

@@ -3,10 +3,10 @@ the single definition of every element-wise op.
 
 This table is the single list of what the virtual ISA offers, and the single place where the
 semantics of an element-wise op is written: `expr`, a function building its value as an
-expression of `tpp.expr` (the IR). Every backend renders that one definition: `tpp.reference`
-evaluates it exactly in float64 (`tpp.expr_eval`), the CPU backend renders it as LLVM IR
+expression of `tpp.core.expr` (the IR). Every backend renders that one definition: `tpp.core.reference`
+evaluates it exactly in float64 (`tpp.core.expr_eval`), the CPU backend renders it as LLVM IR
 (`tpp_cpu.expr_llvm`), the CUDA backend as CUDA C (`tpp_cuda.expr_cuda`); transcendentals are
-the IR's named primitives (`tpp.mathlib`), which every backend renders from the same
+the IR's named primitives (`tpp.core.mathlib`), which every backend renders from the same
 expansion, so CPU and CUDA compute the same bits.
 
 Kinds of unary op:
@@ -159,7 +159,7 @@ def _softplus(x, p):
     return X.maximum(x, 0.0) + log1p
 
 
-_TRANSCENDENTAL = (1e-6, 1e-37)     # the bound of tpp.mathlib (atol: subnormal results)
+_TRANSCENDENTAL = (1e-6, 1e-37)     # the bound of tpp.core.mathlib (atol: subnormal results)
 _POS = (0.0, 100.0)
 
 _UNARY = [

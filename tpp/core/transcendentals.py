@@ -1,9 +1,9 @@
-"""The expansions of the named transcendentals (`tpp.mathlib`) into the expression IR's
+"""The expansions of the named transcendentals (`tpp.core.mathlib`) into the expression IR's
 elementary nodes: branch-free f32 code (fma, select, bit operations) that every backend renders
 node by node, so the CPU (LLVM) and CUDA backends compute the same bits.
 
-Contract: each public function takes an f32 `tpp.expr.Node` x and returns the Node of f(x);
-`tpp.mathlib` registers them as the `expand` of its PRIMS entries (the measured error bound of
+Contract: each public function takes an f32 `tpp.core.expr.Node` x and returns the Node of f(x);
+`tpp.core.mathlib` registers them as the `expand` of its PRIMS entries (the measured error bound of
 each is stated there). Every function propagates NaN and handles +-inf, +-0 and subnormal
 inputs (see "Special values").
 
@@ -87,7 +87,7 @@ Method
   double-float v; within 0.06 of its zero x0 = -0.7524614... it uses
   (x - X0) * H(x - X0) (degree 4) instead, X0 as a float pair.
 
-All fitted coefficients come from tools/fit_vecmath.py (kept in `tpp.mathlib_coeffs`; weighted
+All fitted coefficients come from tools/fit_vecmath.py (kept in `tpp.core.mathlib_coeffs`; weighted
 Remez on Chebyshev-distributed points with relative weighting, float32 rounding with re-fit;
 the rationals GELU_P/Q, GELU_GRAD_P/Q by a relative rational minimax fit).
 

@@ -8,8 +8,8 @@ array, or a tuple when there are several.
 Values are computed in float64 from the exactly widened inputs, rounded once to f32 (the
 computation dtype) and then to the output dtype with round-to-nearest-even, so the reference is
 the correctly rounded f32 result of the exact math. Element-wise ops (map, map_inv, binary,
-compare, a BRGEMM's activation) are not written here: their one definition is in `tpp.optable`,
-evaluated exactly by `tpp.expr_eval` (transcendentals by their exact meaning in `tpp.mathlib`).
+compare, a BRGEMM's activation) are not written here: their one definition is in `tpp.core.optable`,
+evaluated exactly by `tpp.core.expr_eval` (transcendentals by their exact meaning in `tpp.core.mathlib`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ erfc = mathlib.erfc_exact
 
 
 def dropout_bits(seed: int, m: int, n: int) -> np.ndarray:
-    """The counter-based random stream of dropout (`tpp.optable.dropout_draw`): one uint32 per
+    """The counter-based random stream of dropout (`tpp.core.optable.dropout_draw`): one uint32 per
     element (i, j) of an (m, n) block, a function of (seed, i*n + j) only."""
     draw = expr_eval.evaluate([optable.dropout_draw()], m, n, seed=seed)[0]
     return np.ascontiguousarray(draw, np.uint32)
@@ -118,7 +118,7 @@ def run(spec, *inputs, seed: int | None = None):
 
 
 def _run_elementwise(spec, inputs, seed):
-    """Evaluate the op's definition (`tpp.optable`) exactly; round each value output once to
+    """Evaluate the op's definition (`tpp.core.optable`) exactly; round each value output once to
     f32 and then to the output dtype, pack each bitmask output."""
     m, n = spec.m, spec.n
     ops = spec.operands()

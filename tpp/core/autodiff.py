@@ -1,4 +1,4 @@
-"""Reverse-mode differentiation of expression graphs (`tpp.expr`): the backward of any f32
+"""Reverse-mode differentiation of expression graphs (`tpp.core.expr`): the backward of any f32
 expression, built in the same IR, so that it renders on every backend like a hand-written one.
 
     grad(outputs, wrt, grads=None, *, simplify=True, stop_gradient=()) -> list[Node]
@@ -18,10 +18,10 @@ Contract:
   - Gradients flow through f32 arithmetic only. Integer and bool subgraphs carry none: a
     select's condition or a compare may depend on the leaves. An f32 value computed from a
     leaf through integer bit operations (fbits of bits(x), as in the expansions of
-    `tpp.mathlib`) has no derivative: differentiate before expanding transcendentals.
+    `tpp.core.mathlib`) has no derivative: differentiate before expanding transcendentals.
   - `stop_gradient` lists nodes treated as constants, as jax.lax.stop_gradient does: e.g. the
     row maximum subtracted in a softmax for range, whose exact contribution is zero.
-  - Errors (`tpp.errors.SpecError`): a `wrt` entry that is not an f32 input or param, an
+  - Errors (`tpp.core.errors.SpecError`): a `wrt` entry that is not an f32 input or param, an
     output that is not f32, a cotangent of another shape or count, and a node on a path from a
     leaf to an output whose op or transcendental has no rule in `RULES`.
 

@@ -15,9 +15,9 @@ kernel on their device (offset tables may be host or device arrays: they are che
 and copied to the device; address mode builds its pointer table on the host and copies it).
 With a relu bitmask the result is (c, mask). Every array is checked (shape, dtype, strides, offsets within
 the base array, C not overlapping an input) before the compiled code runs; the raw path
-(`Kernel.raw`, see tpp.brgemm_spec for its signature) checks nothing. The checks cost O(1)
+(`Kernel.raw`, see tpp.core.brgemm_spec for its signature) checks nothing. The checks cost O(1)
 Python work per array (O(count) for the offset tables and address lists): what depends on an
-array's layout is remembered per layout (tpp.arrays), overlap is decided on byte ranges.
+array's layout is remembered per layout (tpp.runtime.arrays), overlap is decided on byte ranges.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays
-from . import checks
-from .checks import reject_unknown_call
-from .errors import ArgumentError
+from ..core import checks
+from ..core.checks import reject_unknown_call
+from ..core.errors import ArgumentError
 from .kernel import KernelBase
 from .lru import LRU, VARIANTS_PER_KERNEL
 
@@ -39,7 +39,7 @@ _SIGNATURE = "void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, intptr_t
 
 class Bound(NamedTuple):
     """An array of a call, checked: its name (for messages), the array as bound
-    (tpp.arrays.as_array), its Layout and the address of its first element."""
+    (tpp.runtime.arrays.as_array), its Layout and the address of its first element."""
     name: str
     arr: object
     layout: object
@@ -52,7 +52,7 @@ class Bound(NamedTuple):
 
 
 def _bound(arr, name: str) -> Bound:
-    """Bound of an array already through tpp.arrays.as_array."""
+    """Bound of an array already through tpp.runtime.arrays.as_array."""
     return Bound(name, arr, arrays.layout(arr, name), arrays.address(arr))
 
 
@@ -366,7 +366,7 @@ def _check_no_overlap(written, inputs):
     """ArgumentError if an output the caller passed shares memory with an input or with the
     other output. written: the byte spans [lo, hi) of c (and the bitmask), None for an output
     allocated by the call (it shares memory with nothing); inputs: the spans of a, b (every
-    block in address mode) and bias. (The tests are tpp.arrays.spans_overlap's, inline.)"""
+    block in address mode) and bias. (The tests are tpp.runtime.arrays.spans_overlap's, inline.)"""
     for k, w in enumerate(written):
         if w is None:
             continue

@@ -1,13 +1,13 @@
 """The named transcendentals of the expression IR, each defined once.
 
 Every entry states:
-  - `exact`: its mathematical meaning as a float64 numpy function (what `tpp.reference` and the
+  - `exact`: its mathematical meaning as a float64 numpy function (what `tpp.core.reference` and the
     equations' reference compute; the error bound is measured against it),
   - `bound`: the largest relative error of the f32 code over all finite f32 inputs whose
     result is a normal f32 (BOUNDS below; every one is <= 1e-6), the same on every backend
     because every backend renders the same expansion,
   - `expand`: the expansion into the IR's elementary nodes (fma, select, bit operations), which
-    the CPU (LLVM) and CUDA backends render node by node (`tpp.transcendentals`, which states
+    the CPU (LLVM) and CUDA backends render node by node (`tpp.core.transcendentals`, which states
     each method).
 
 The bounds were measured on the f32 code against `exact` (see BOUNDS); tests/test_vecmath.py
@@ -98,7 +98,7 @@ class Prim:
     exact: Callable
     bound: float                 # max relative error of the f32 code (see the module doc)
     note: str = ""
-    expand: Callable | None = None   # (args: Nodes) -> Node (tpp.transcendentals)
+    expand: Callable | None = None   # (args: Nodes) -> Node (tpp.core.transcendentals)
 
 
 PRIMS: dict = {}

@@ -77,7 +77,7 @@ def thread_count(value, what: str) -> int:
     n = as_int(value)
     if n is None or not 1 <= n <= MAX_THREADS:
         raise ArgumentError(f"{what} must be a positive int of at most {MAX_THREADS} "
-                            f"(tpp.checks.MAX_THREADS), got {value!r}")
+                            f"(tpp.core.checks.MAX_THREADS), got {value!r}")
     return n
 
 

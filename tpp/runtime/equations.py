@@ -10,11 +10,11 @@ one kernel whose intermediates never leave registers.
     res = ln(x=x_block, g=gamma, b=beta, eps=1e-5)
     res.out, res.mu                             # a named tuple; one output: the array itself
 
-The values of an equation are `tpp.expr` nodes: combine them with + - * / and the methods of
+The values of an equation are `tpp.core.expr` nodes: combine them with + - * / and the methods of
 `Equation` (math, comparisons, reductions, `op(name, ...)` for any element-wise TPP of the op
 table). Inputs have a dtype (f32, bf16, f16; widened exactly to f32) and a broadcast (None: an
 (m, n) block with any row stride; "row": n values; "col": m values; "scalar": one value);
-`mask(name)` is a bitmask input (the library's layout, tpp.spec) read as a predicate;
+`mask(name)` is a bitmask input (the library's layout, tpp.core.spec) read as a predicate;
 `param(name)` a runtime f32 scalar (a Python number at the call). Reductions (`sum`, `mean`,
 `max`, `min`) along axis 1 give a column of m values, along axis 0 a row of n values.
 
@@ -23,9 +23,9 @@ in the output's dtype (`dtypes={"out": "bf16"}`; default: the dtype shared by th
 else f32; reductions' results default to f32) with the shape of its node: (m, n), (m,) for a
 column, (n,) for a row, (1,) for a scalar; a predicate is stored as a bitmask.
 
-Semantics: f32 arithmetic node by node (tpp.expr); reductions sum in f32 in an unspecified
-order; transcendentals as stated in tpp.mathlib. `tpp.reference.run(spec, ...)` evaluates the
-same graph exactly in float64 (tpp.expr_eval) and rounds each output once. A compiled equation
+Semantics: f32 arithmetic node by node (tpp.core.expr); reductions sum in f32 in an unspecified
+order; transcendentals as stated in tpp.core.mathlib. `tpp.core.reference.run(spec, ...)` evaluates the
+same graph exactly in float64 (tpp.core.expr_eval) and rounds each output once. A compiled equation
 is a TPP like the others: cached by its spec (the graph's canonical text is part of the key),
 `dump()`-able, and callable inside loop nests (`nest.call(kernel, *addresses)`, operands in
 `spec.operands()` order: inputs, params (as one-value tensors), outputs).
@@ -33,22 +33,17 @@ is a TPP like the others: cached by its spec (the graph's canonical text is part
 from __future__ import annotations
 
 import collections
-import dataclasses
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import checks
-from . import dtypes as _dt
-from . import expr as X
-from .errors import ArgumentError, SpecError
+from ..core import checks
+from ..core import dtypes as _dt
+from ..core import expr as X
+from ..core.equation_spec import EquationSpec, graph_text
+from ..core.errors import ArgumentError, SpecError
 from .kernel import Kernel
-from .optable import OpInfo
-from .spec import Operand, mask_bytes
 
 _BCAST_SHAPE = {None: "block", "row": "row", "col": "col", "scalar": "scalar"}
-_INFO = OpInfo("equation", "equation", "equation", doc="a compiled tpp.equation")
-MAX_STAGE_ELEMENTS = 1 << 16   # an axis-0 reduction keeps n (an axis-1 one m) f32 on the stack
 
 
 class Equation:
@@ -80,7 +75,7 @@ class Equation:
         return nd
 
     def mask(self, name: str) -> X.Node:
-        """A bitmask input of the block (tpp.spec's mask layout), as a predicate."""
+        """A bitmask input of the block (tpp.core.spec's mask layout), as a predicate."""
         self._new_name(name)
         nd = X.maskbit(name)
         self._inputs[name] = (nd, "mask", _dt.U8)
@@ -152,8 +147,8 @@ class Equation:
 
     def op(self, name: str, *args, **params):
         """The element-wise TPP `name` of the op table applied to args (its single
-        definition, tpp.optable); returns its output node (a tuple when it has several)."""
-        from . import optable
+        definition, tpp.core.optable); returns its output node (a tuple when it has several)."""
+        from ..core import optable
         for family in ("unary", "binary"):
             table = optable.UNARY_OPS if family == "unary" else optable.BINARY_OPS
             if name in table:
@@ -231,117 +226,6 @@ class Equation:
         a big tensor. By default only a kernel whose own outputs exceed them streams."""
         return equation_kernel(self.spec(*outputs, dtypes=dtypes, stream=stream, **named))
 
-
-def graph_text(outputs) -> str:
-    """A canonical text of the graph behind the outputs (stable across processes)."""
-    order = X.topological(outputs)
-    index = {nd: k for k, nd in enumerate(order)}
-    parts = []
-    for nd in order:
-        attr = ",".join(a.hex() if isinstance(a, bytes) else repr(a) for a in nd.attr)
-        args = ",".join(str(index[a]) for a in nd.args)
-        parts.append(f"{nd.op}[{args}]({attr}){nd.kind[0]}{nd.shape[0]}")
-    parts.append("->" + ",".join(str(index[o]) for o in outputs))
-    return ";".join(parts)
-
-
-@dataclass(frozen=True)
-class EquationSpec:
-    m: int
-    n: int
-    inputs: tuple        # (name, layout, dtype, ld) per input: block/row/col/scalar/mask
-    params: tuple        # names of the runtime f32 scalars
-    outputs: tuple       # (name, layout, dtype, ld) per output: block/col/vector/scalar/mask
-    graph: str           # graph_text of the output nodes
-    uses_seed: bool
-    stream: bool = False  # write big block outputs with non-temporal stores (see compile)
-    nodes: tuple = field(compare=False, repr=False, default=())
-    family = "equation"
-    op = "equation"
-    kind = "equation"
-    info = _INFO
-    params_items = ()
-
-    def key(self) -> str:
-        ins = ";".join(f"{n}:{lay}:{dt}:{ld}" for n, lay, dt, ld in self.inputs)
-        outs = ";".join(f"{n}:{lay}:{dt}:{ld}" for n, lay, dt, ld in self.outputs)
-        return (f"equation(m={self.m},n={self.n},inputs={ins},params={','.join(self.params)},"
-                f"outputs={outs},stream={self.stream},graph={self.graph})")
-
-    @property
-    def scalars(self) -> tuple:
-        return ("seed",) if self.uses_seed else ()
-
-    def operands(self) -> tuple:
-        m, n = self.m, self.n
-        ops = []
-        for name, layout, dt, ld in self.inputs:
-            if layout == "block":
-                ops.append(Operand(name, "in", "block", dt, m, n, ld, f"ld:{name}"))
-            elif layout == "mask":
-                ops.append(Operand(name, "in", "mask", _dt.U8, m, mask_bytes(n)))
-            elif layout == "row":
-                ops.append(Operand(name, "in", "row", dt, 1, n))
-            elif layout == "col":
-                ops.append(Operand(name, "in", "col", dt, m, 1))
-            else:
-                ops.append(Operand(name, "in", "scalar", dt, 1, 1))
-        for name in self.params:
-            ops.append(Operand(name, "in", "scalar", _dt.F32, 1, 1))
-        for name, layout, dt, ld in self.outputs:
-            if layout == "block":
-                ops.append(Operand(name, "out", "block", dt, m, n, ld, f"ld:{name}"))
-            elif layout == "mask":
-                ops.append(Operand(name, "out", "mask", _dt.U8, m, mask_bytes(n)))
-            elif layout == "col":
-                ops.append(Operand(name, "out", "col", dt, m, 1))
-            elif layout == "vector":
-                ops.append(Operand(name, "out", "vector", dt, 1, n))
-            else:
-                ops.append(Operand(name, "out", "vector", dt, 1, 1))
-        return tuple(ops)
-
-    def replace(self, **changes):
-        """The spec with other lds: keywords "ld:<operand name>" (what Kernel passes)."""
-        lds = {k[3:]: v for k, v in changes.items() if k.startswith("ld:")}
-        rest = {k: v for k, v in changes.items() if not k.startswith("ld:")}
-        ins = tuple((nm, lay, dt, lds.get(nm, ld)) for nm, lay, dt, ld in self.inputs)
-        outs = tuple((nm, lay, dt, lds.get(nm, ld)) for nm, lay, dt, ld in self.outputs)
-        return dataclasses.replace(self, inputs=ins, outputs=outs, **rest)
-
-    def __post_init__(self):
-        for op in self.operands():
-            op.check_addressable()
-
-    # ------------------------------------------------------------ reference
-    def reference(self, *arrays, seed=None):
-        """The outputs computed exactly (float64, tpp.expr_eval) from the operands' arrays
-        (inputs, then params, in operands() order), each rounded once to f32 and then to its
-        dtype; one array, or a tuple in output order."""
-        from . import expr_eval, reference
-        ins = [o for o in self.operands() if o.role == "in"]
-        if len(arrays) != len(ins):
-            raise ArgumentError(f"the equation takes {len(ins)} inputs "
-                                f"({', '.join(o.name for o in ins)}), got {len(arrays)}")
-        inputs, params, masks = {}, {}, {}
-        for op, arr in zip(ins, arrays):
-            if op.name in self.params:
-                params[op.name] = float(np.asarray(arr, np.float64).reshape(()))
-            elif op.layout == "mask":
-                masks[op.name] = reference.unpack_mask(arr, self.n)
-            else:
-                inputs[op.name] = np.asarray(arr).astype(np.float64)
-        values = expr_eval.evaluate(self.nodes, self.m, self.n, inputs=inputs, params=params,
-                                    masks=masks, seed=seed)
-        results = []
-        for (name, layout, dt, _), value in zip(self.outputs, values):
-            if layout == "mask":
-                results.append(reference.pack_mask(np.asarray(value, bool)))
-                continue
-            with np.errstate(all="ignore"):
-                v = np.asarray(value, np.float64).astype(np.float32).astype(dt.numpy)
-            results.append(v.reshape(-1) if layout != "block" else np.ascontiguousarray(v))
-        return results[0] if len(results) == 1 else tuple(results)
 
 
 class EquationKernel(Kernel):

@@ -3,7 +3,7 @@
 Accepted on the host: numpy arrays, torch CPU tensors, and anything numpy can view without a
 copy (`__array_interface__`, the buffer protocol, DLPack). On a GPU: torch CUDA tensors and
 anything with `__cuda_array_interface__` or a CUDA DLPack capsule (cupy, numba, ...), seen
-through `tpp.device_arrays.CudaView`. Every check raises ArgumentError (or UnsupportedError for
+through `tpp.runtime.device_arrays.CudaView`. Every check raises ArgumentError (or UnsupportedError for
 what no backend can run) naming the operand, what was expected and what was given; nothing
 reaches compiled code unchecked.
 
@@ -24,9 +24,9 @@ import cffi
 import numpy as np
 
 from . import device_arrays
-from . import dtypes as _dt
+from ..core import dtypes as _dt
 from .device_arrays import CudaView
-from .errors import ArgumentError, UnsupportedError
+from ..core.errors import ArgumentError, UnsupportedError
 from .lru import also_clear
 
 ffi = cffi.FFI()
