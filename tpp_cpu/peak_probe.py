@@ -35,7 +35,7 @@ KINDS = ("f32", "bf16")
 
 def accumulators(target: Target) -> int:
     """Independent accumulator vectors: 3/4 of the vector registers (16 ymm or 32 zmm)."""
-    return (32 if target.isa == "avx512" else 16) * 3 // 4
+    return target.vector_registers * 3 // 4
 
 
 def flops_per_iteration(kind: str, target: Target) -> int:

@@ -21,13 +21,20 @@ from tpp.core.errors import UnsupportedError
 
 @dataclass(frozen=True)
 class Target:
-    isa: str             # "avx512" or "avx2"
+    """What the generators may use, as capabilities: they branch on these fields, never on the
+    ISA's name, so another vector ISA (NEON, SVE) is a new record and new generators, and a new
+    unit (AMX) a new field and the generators that use it."""
+    isa: str             # "avx512" or "avx2" (LLVM target selection, names, messages)
     lanes: int           # f32 lanes per vector register
     runnable: bool       # the host can execute this code
     host: str            # fingerprint of the CPU the code is tuned for (part of cache keys)
     cpu: str = "host"    # LLVM cpu name; "host": the host's, as LLVM detects it
     features: str = ""   # LLVM features, appended to the host's when cpu == "host"
-    bf16_dot: bool = False   # vdpbf16ps available
+    bf16_dot: bool = False   # a bf16 pair dot product into f32 (vdpbf16ps)
+    vector_registers: int = 16   # architectural vector registers (register blocking)
+    masked_lanes: bool = False   # per-lane predication of loads/stores at any element width
+    amx: bool = False            # AMX tiles with bf16 dot products (no generator uses it yet)
+    streaming_stores: bool = True    # non-temporal vector stores
 
     def key(self) -> str:
         return f"{self.isa}|lanes={self.lanes}|cpu={self.cpu}|{self.features}|host={self.host}"
@@ -86,12 +93,18 @@ def make_target(isa: str) -> Target:
     native = host_isa()
     flags = host_cpu()[1]
     if isa == native:
-        return Target(isa, 16 if isa == "avx512" else 8, True, _fingerprint(),
-                      bf16_dot="avx512bf16" in flags)
+        if isa == "avx512":
+            return Target(isa, 16, True, _fingerprint(), bf16_dot="avx512bf16" in flags,
+                          **_AVX512, amx={"amxtile", "amxbf16"} <= flags)
+        return Target(isa, 8, True, _fingerprint(), **_AVX2)
     if isa == "avx2":   # an AVX-512 host generating AVX2 code
-        return Target("avx2", 8, True, _fingerprint(), features="-avx512f")
+        return Target("avx2", 8, True, _fingerprint(), features="-avx512f", **_AVX2)
     # AVX-512 code for a host that cannot run it: Zen 4, the design's reference machine
-    return Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True)
+    return Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True, **_AVX512)
+
+
+_AVX512 = {"vector_registers": 32, "masked_lanes": True}
+_AVX2 = {"vector_registers": 16, "masked_lanes": False}
 
 
 def current() -> Target:

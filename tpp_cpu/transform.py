@@ -54,7 +54,7 @@ class _Mover:
         self.w = target.lanes * 32 // ety.width          # one full register
         self.group = 128 // ety.width                    # elements per 128-bit lane
         # AVX-512 masks every width; AVX2 has vmaskmov for 32-bit elements only
-        self.use_masks = target.isa == "avx512" or ety.width == 32
+        self.use_masks = target.masked_lanes or ety.width == 32
 
     def load(self, base, offset, w, count=None):
         """w elements from base[offset]; count < w: only the first count, the rest zero."""

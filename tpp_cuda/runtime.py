@@ -95,7 +95,9 @@ class CudaFunction:
         self.spec, self.device = spec, device
         self.name = generators.kernel_name(spec)
         self.source = generators.source(spec)
-        self.geometry = generators.launch(spec)
+        # a loop nest's geometry depends on its sizes: the caller passes it at each launch
+        self.geometry = None if spec.family == "loopnest" else generators.launch(spec)
+        self.key_parts = ("cuda", f"device={device}")
         _dump(self.name, self.source)
         options = ("--std=c++17",) + tuple(f"-I{d}" for d in include_dirs())
         with cupy.cuda.Device(device):
@@ -104,19 +106,37 @@ class CudaFunction:
                 self._fn = module.get_function(self.name)
             except cupy.cuda.compiler.CompileException as exc:
                 raise CompileError(f"NVRTC could not compile {self.name}:\n{exc}") from None
-            if self.geometry.shared_bytes > _STATIC_SHARED_LIMIT:
-                self._fn.max_dynamic_shared_size_bytes = self.geometry.shared_bytes
+            self._smem_allowed = _STATIC_SHARED_LIMIT
+            if self.geometry is not None:
+                self._allow_shared(self.geometry.shared_bytes)
 
-    def launch(self, args, torch_stream: bool = False):
+    def _allow_shared(self, nbytes: int) -> None:
+        """Let the kernel take nbytes of dynamic shared memory (beyond the default 48 KiB)."""
+        if nbytes > self._smem_allowed:
+            self._fn.max_dynamic_shared_size_bytes = nbytes
+            self._smem_allowed = nbytes
+
+    def launch(self, args, torch_stream: bool = False, geometry=None):
         """Launch with the 64-bit argument values `args` on the current stream (torch's when
-        torch_stream, else cupy's). Returns at once: the kernel runs asynchronously."""
+        torch_stream, else cupy's), with `geometry` (a tpp_cuda.launch.Launch; default: the
+        one the spec's generator chose). Returns at once: the kernel runs asynchronously."""
         cupy = _cupy()
-        g = self.geometry
+        g = geometry or self.geometry
+        if g.shared_bytes > self._smem_allowed:
+            with cupy.cuda.Device(self.device):
+                self._allow_shared(g.shared_bytes)
         values = tuple(np.uint64(int(a) & _U64) for a in args)
         with cupy.cuda.Device(self.device):
             stream = _torch_stream(cupy, self.device) if torch_stream else \
                 cupy.cuda.get_current_stream()
             self._fn(g.grid, g.block, values, shared_mem=g.shared_bytes, stream=stream)
+
+    def dump(self, what: str = "cuda") -> str:
+        """The CUDA source ("cuda"), or what nvcc makes of it ("ptx", "sass") for sm_90."""
+        if what == "cuda":
+            return self.source
+        from . import nvcc
+        return nvcc.disassemble(self.source, "sm_90", what)
 
     def __repr__(self):
         return f"<CudaFunction {self.name} on cuda:{self.device}>"

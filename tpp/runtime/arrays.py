@@ -25,8 +25,10 @@ import numpy as np
 
 from . import device_arrays
 from ..core import dtypes as _dt
+from .device import CPU, Device
 from .device_arrays import CudaView
 from ..core.errors import ArgumentError, UnsupportedError
+from . import registry
 from .lru import also_clear
 
 ffi = cffi.FFI()
@@ -87,44 +89,43 @@ def as_array(obj, name: str):
 def as_host_array(obj, name: str, what: str = "this operation"):
     """Like as_array, for code that runs on the CPU only: device data is an UnsupportedError."""
     arr = as_array(obj, name)
-    if device_of(arr) is not None:
-        raise UnsupportedError(f"{name}: CUDA data ({type(obj).__name__}); {what} runs on the "
-                               f"CPU only")
+    device = device_of(arr)
+    if not device.is_host:
+        raise UnsupportedError(f"{name}: data on {device} ({type(obj).__name__}); {what} runs "
+                               f"on the CPU only")
     return arr
 
 
-def device_of(arr):
-    """None for host data, else the CUDA device ordinal."""
+def device_of(arr) -> Device:
+    """The Device where a bound array's data lives (CPU for host memory)."""
     if type(arr) is np.ndarray:
-        return None
+        return CPU
     if isinstance(arr, CudaView):
-        return arr.device
+        return Device("cuda", arr.device)
     if is_torch(arr) and arr.device.type != "cpu":
-        if arr.device.type != "cuda":
-            raise UnsupportedError(f"tensors on {arr.device} are not supported (CPU or CUDA)")
-        return arr.device.index if arr.device.index is not None else 0
-    return None
+        return Device(arr.device.type, arr.device.index or 0)
+    return CPU
 
 
-def common_device(named_arrays):
-    """The one device of all (name, array) pairs (None: the host); a mix is an ArgumentError."""
+def common_device(named_arrays) -> Device:
+    """The one device of all (name, array) pairs; a mix is an ArgumentError."""
     where = {}
     for name, arr in named_arrays:
         where.setdefault(device_of(arr), name)
     if len(where) > 1:
-        spots = ", ".join(f"{name} on {'the host' if d is None else f'cuda:{d}'}"
+        spots = ", ".join(f"{name} on {'the host' if d.is_host else d}"
                           for d, name in where.items())
         raise ArgumentError(f"the operands live on different devices ({spots}); move them to "
                             f"one device first")
-    return next(iter(where), None)
+    return next(iter(where), CPU)
 
 
-def shared_device(layouts, named_arrays):
-    """The one device of `layouts` (None: the host, also when there are none: a call of an op
+def shared_device(layouts, named_arrays) -> Device:
+    """The one device of `layouts` (the host also when there are none: a call of an op
     with no input arrays and no outputs given allocates them on the host); where they differ,
     common_device's error naming the (name, array) pairs."""
     if not layouts:
-        return None
+        return CPU
     device = layouts[0].device
     for lay in layouts:
         if lay.device != device:
@@ -158,7 +159,7 @@ class Layout:
     shape: tuple
     strides: tuple         # in elements
     itemsize: int
-    device: int | None     # None: host memory; else the CUDA device ordinal
+    device: Device          # where the data lives (tpp.runtime.device)
     kind: str              # "numpy" (anything numpy reads), "torch" or "cuda" (a CudaView)
     low: int               # bytes from the first element to the lowest byte spanned (<= 0)
     high: int              # bytes from the first element to one past the highest (0: empty)
@@ -225,7 +226,7 @@ def layout(arr, name: str) -> Layout:
 def _compute_layout(arr, name: str) -> Layout:
     if isinstance(arr, CudaView):
         return _make_layout(_NP_DTYPES.get(arr.dtype), arr.dtype, arr.shape, arr.strides,
-                            arr.itemsize, arr.device, "cuda")
+                            arr.itemsize, Device("cuda", arr.device), "cuda")
     if is_torch(arr):
         if str(arr.layout) != "torch.strided":
             raise ArgumentError(f"{name}: a {arr.layout} tensor has no strided memory to read; "
@@ -237,7 +238,7 @@ def _compute_layout(arr, name: str) -> Layout:
     if any(s % isz for s in strides):
         raise ArgumentError(f"{name}: strides {strides} are not multiples of the element size {isz}")
     return _make_layout(_NP_DTYPES.get(arr.dtype), arr.dtype, tuple(arr.shape),
-                        tuple(s // isz for s in strides), isz, None, "numpy")
+                        tuple(s // isz for s in strides), isz, CPU, "numpy")
 
 
 def _make_layout(dtype, native, shape, strides, itemsize, device, kind) -> Layout:
@@ -442,17 +443,16 @@ def _vector_shapes(layout, length):
     return f"({length},) or ({length}, 1)"
 
 
-def allocate(op, like_torch: bool, device=None):
-    """A new array for an output operand: numpy or torch like the inputs on the host; torch or
-    cupy (as a CudaView) on CUDA device `device`."""
+def allocate(op, like_torch: bool, device: Device = CPU):
+    """A new array for an output operand: numpy or torch like the inputs on the host; on
+    another device what its backend allocates (a torch tensor, else seen through as_array)."""
     if op.layout in ("block", "mask"):
         shape = (op.rows, op.cols)
     else:
         shape = (op.cols if op.layout != "col" else op.rows,)
-    if device is not None:
-        from tpp_cuda import runtime
-        out = runtime.empty(shape, op.dtype, device, like_torch)
-        return out if like_torch else device_arrays.view(out, op.name)
+    if not device.is_host:
+        out = registry.for_device(device).empty(shape, op.dtype, device, like_torch)
+        return out if is_torch(out) else as_array(out, op.name)
     if like_torch:
         import torch
         return torch.empty(shape, dtype=getattr(torch, op.dtype.torch_name))

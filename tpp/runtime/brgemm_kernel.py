@@ -27,10 +27,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import arrays, registry
 from ..core import checks
 from ..core.checks import reject_unknown_call
 from ..core.errors import ArgumentError
+from .device import CPU
 from .kernel import KernelBase
 from .lru import LRU, VARIANTS_PER_KERNEL
 
@@ -95,8 +96,8 @@ class BrgemmKernel(KernelBase):
     def _variant(self, lds: tuple):
         fn = self._variants.get(lds)
         if fn is None:
-            from tpp_cpu import backend     # the core imports a backend only to compile
-            fn = arrays.ffi.cast(_SIGNATURE, backend.compile(self._spec_for(lds)).address)
+            code = registry.for_device(CPU).compile(self._spec_for(lds), CPU)
+            fn = arrays.ffi.cast(_SIGNATURE, code.address)
             self._variants[lds] = fn
         return fn
 
@@ -211,7 +212,7 @@ class BrgemmKernel(KernelBase):
         mask = written.get("mask")
         args = (a_base, b_base, written["c"].address, given["bias"].address if spec.bias else 0,
                 mask.address if mask else 0, count, arg_a, arg_b)
-        if device is None:
+        if device.is_host:
             fn = self._variant((lda, ldb, ldc))
             fn(*args)
             if key is not None:
@@ -222,9 +223,8 @@ class BrgemmKernel(KernelBase):
                     fn, inputs[0].layout.shape[0], inputs[1].layout.shape[0], arg_a, arg_b,
                     layouts, use_torch))
         else:
-            from tpp_cuda import runtime
-            runtime.function(self._spec_for((lda, ldb, ldc)), device).launch(
-                args, torch_stream=use_torch)
+            spec = self._spec_for((lda, ldb, ldc))
+            registry.for_device(device).compile(spec, device).launch(args, torch_stream=use_torch)
         del keep
         c_out = arrays.user_object(written["c"].arr)
         return (c_out, arrays.user_object(mask.arr)) if spec.bitmask else c_out
@@ -355,9 +355,8 @@ def _check_offsets(name: str, op, used: np.ndarray, size: int):
 def _table(host_table: np.ndarray, device, use_torch: bool, keep: list) -> int:
     """The address of an int64 table (offsets or block addresses) where the kernel reads it:
     the host array itself, or a copy on `device` (queued on the launch's stream)."""
-    if device is not None:
-        from tpp_cuda import runtime
-        host_table = runtime.to_device(host_table, device, use_torch)
+    if not device.is_host:
+        host_table = registry.for_device(device).to_device(host_table, device, use_torch)
     keep.append(host_table)
     return arrays.address(arrays.as_array(host_table, "table"))
 

@@ -3,8 +3,8 @@
 `Kernel(spec)(*inputs, out=None, mask=None, seed=None)` validates every array against the
 spec's operands, allocates outputs that were not given (numpy, or torch when the inputs are
 torch tensors), takes each block's leading dimension from its strides and runs the kernel
-compiled for exactly those lds (compiled on first use, then cached). The backend is chosen by
-where the data lives: host arrays run the CPU code, CUDA arrays (torch CUDA tensors, cupy, any
+compiled for exactly those lds (compiled on first use, then cached). The backend is the one
+that owns the Device where the data lives (tpp.runtime.registry): host arrays run the CPU code, CUDA arrays (torch CUDA tensors, cupy, any
 `__cuda_array_interface__`) the CUDA kernel of the same spec on their device, launched on the
 current stream (torch's for torch tensors, else cupy's); outputs are allocated there. Operands
 on different devices are an ArgumentError. It returns the output, or
@@ -21,14 +21,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import arrays, registry
+from .device import CPU
 from ..core.checks import reject_unknown_call
 from ..core.errors import ArgumentError
 from .lru import LRU, VARIANTS_PER_KERNEL
 
 _INPLACE_KINDS = ("map", "map_inv", "compare", "equation")
-_CPU_DUMPS, _CUDA_DUMPS = ("asm", "ir", "opt"), ("cuda", "ptx", "sass")
-_CPU_ISAS = ("avx512", "avx2")
 
 
 class KernelBase:
@@ -44,24 +43,22 @@ class KernelBase:
         return self
 
     def dump(self, what: str = "asm", isa: str | None = None) -> str:
-        """The generated code. CPU: what = "ir", "opt" (optimised IR) or "asm"; isa = "avx512"
-        or "avx2" to see another target's code (default: the one that runs here). CUDA:
-        what = "cuda" (the source), "ptx" or "sass" (through nvcc; isa = the arch, default
-        "sm_90")."""
-        if what in _CUDA_DUMPS:
-            from tpp_cuda import generators, nvcc
-            source = generators.source(self.spec)
-            return source if what == "cuda" else nvcc.disassemble(source, isa or "sm_90", what)
-        if what not in _CPU_DUMPS:
-            raise ArgumentError(f"dump: what must be one of {', '.join(_CPU_DUMPS + _CUDA_DUMPS)}"
-                                f", got {what!r}")
-        if isa is not None and isa not in _CPU_ISAS:
-            raise ArgumentError(f"dump: isa for CPU code must be one of {', '.join(_CPU_ISAS)} "
-                                f"(or None for this host's), got {isa!r}")
-        from tpp_cpu import target
-        tgt = target.current() if isa is None else target.make_target(isa)
-        from tpp_cpu import backend
-        return backend.dump(self.spec, what, tgt)
+        """The generated code, from the backend whose dumps include `what`. CPU: what = "ir",
+        "opt" (optimised IR) or "asm"; isa = "avx512" or "avx2" to see another target's code
+        (default: the one that runs here). CUDA: what = "cuda" (the source), "ptx" or "sass"
+        (through nvcc; isa = the arch, default "sm_90")."""
+        return dump(self.spec, what, isa)
+
+
+def dump(spec, what: str, isa: str | None = None) -> str:
+    """spec's generated code, from the backend whose dump_kinds include `what`."""
+    kinds = []
+    for name in registry.names():
+        backend = registry.get(name)
+        if what in backend.dump_kinds:
+            return backend.dump(spec, what, isa)
+        kinds += backend.dump_kinds
+    raise ArgumentError(f"dump: what must be one of {', '.join(kinds)}, got {what!r}")
 
 
 class _Plan(NamedTuple):
@@ -69,7 +66,7 @@ class _Plan(NamedTuple):
     made by the first call with those signatures, reused by every later one."""
     layouts: tuple        # one Layout per operand (of the array a missing output gets)
     lds: tuple            # the lds to compile for
-    device: object        # None: the host; else the CUDA device ordinal
+    device: object        # the tpp.runtime.device.Device of the call's data
     use_torch: bool       # outputs allocated here are torch tensors
     fn: object            # the C function for lds (host calls), else None
 
@@ -114,8 +111,8 @@ class Kernel(KernelBase):
 
     # ------------------------------------------------------------ compilation
     def _compiled(self, spec):
-        from tpp_cpu import backend     # the core imports a backend only to compile
-        return backend.compile(spec)
+        """The host backend's compiled code of spec (it has the C function's `address`)."""
+        return registry.for_device(CPU).compile(spec, CPU)
 
     def _signature(self, ctype: str) -> str:
         args = [ctype] * len(self._operands) + (["int64_t"] if self._needs_seed else [])
@@ -147,10 +144,10 @@ class Kernel(KernelBase):
                 self._fastcall = self._make_fastcall(fn)
         return fn
 
-    def _cuda_variant(self, lds: tuple, device: int):
-        """The CUDA launcher for these lds on `device` (compiled on first use, then cached)."""
-        from tpp_cuda import runtime
-        return runtime.function(self._spec_for(lds), device)
+    def _device_variant(self, lds: tuple, device):
+        """The compiled code for these lds on a device other than the host, from the backend
+        that owns it (which caches it)."""
+        return registry.for_device(device).compile(self._spec_for(lds), device)
 
     @property
     def raw(self):
@@ -301,7 +298,7 @@ class Kernel(KernelBase):
         if plan.fn is not None:
             plan.fn(*addresses, *scalars)
         else:
-            self._cuda_variant(plan.lds, plan.device).launch(
+            self._device_variant(plan.lds, plan.device).launch(
                 addresses + list(scalars), torch_stream=any(lay.kind == "torch" for lay in layouts))
         if len(self._output_idx) == 1:
             return arrays.user_object(bound[self._output_idx[0]])
@@ -322,7 +319,7 @@ class Kernel(KernelBase):
                 bound[k] = self._allocate(operands[k], use_torch, device)
                 layouts[k] = arrays.layout(bound[k], operands[k].name)
         lds = tuple(self._checks[k].ld(layouts[k], op.name) for k, op in enumerate(operands))
-        fn = self._variant(lds) if device is None else None
+        fn = self._variant(lds) if device.is_host else None
         return _Plan(tuple(layouts), lds, device, use_torch, fn)
 
     def _seed(self, seed) -> int:

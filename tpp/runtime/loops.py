@@ -41,10 +41,11 @@ import threading
 
 import numpy as np
 
-from . import arrays
+from . import arrays, registry
 from ..core import checks, loop_bounds
 from ..core import dtypes as _dt
 from ..core.errors import ArgumentError, SpecError, UnsupportedError
+from .device import CPU
 from .lru import LRU
 from ..core.loop_spec import (LETTERS, SIZE, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
                         affine, conditions, parse_order, raw_operands, size_symbol)
@@ -221,9 +222,7 @@ class CompiledNest:
     _MEMO = 1024     # shape signatures (and size assignments) remembered as checked
 
     def __init__(self, spec: LoopNestSpec):
-        from tpp_cpu import backend, loopnest, threads
         self.spec = spec
-        self._threads = threads
         self.names = tuple(t.name for t in spec.tensors)
         self.sizes = spec.sizes
         self._seed_only = _seed_only_sizes(spec)
@@ -234,17 +233,12 @@ class CompiledNest:
                     written.add(arg.tensor)
         self._written = frozenset(written)
         self._aliasable = _aliasable_pairs(spec, self._written)
-        slots = self._slots = loopnest.layout(spec)
-        table = np.zeros(slots["size"], np.int64)
-        # the nest and every kernel it calls: one object, library and disk cache entry
-        entry, kernels = backend.compile_with_kernels(spec, spec.kernel_specs())
-        table[slots["kernels"]:slots["kernels"] + len(kernels)] = kernels
-        runtime = threads.runtime()
-        if runtime is not None:
-            table[slots["runtime"]:slots["runtime"] + 4] = runtime
-        self._template = table
-        self._has_runtime = runtime is not None
-        self._entry = arrays.ffi.cast("void(*)(void **)", entry.address)
+        # the host backend's code of the nest and every kernel it calls (one library): its
+        # entry takes a call table, `template` filled in but for the tensors, threads and sizes
+        host = self._host = registry.for_device(CPU).compile_nest(spec, CPU)
+        self._slots, self._template, self._entry = host.slots, host.template, host.entry
+        self._has_runtime, self._num_threads = host.parallel, host.num_threads
+        self._devices = LRU(8, "device_nests")      # Device -> that backend's compiled nest
         # sizes a tensor dimension gives: (tensor, dim, size name) for each dim that is exactly
         # one size; the others must come as keywords
         self._binders = tuple((k, d, dim.terms[0][0][1:]) for k, t in enumerate(spec.tensors)
@@ -258,8 +252,6 @@ class CompiledNest:
         # validated by `bind` (with the sizes it gives, and the arrays' byte sizes)
         self._plain = tuple((t.dtype.numpy, k in written) for k, t in enumerate(spec.tensors))
         self._position = {name: k for k, name in enumerate(self.names)}
-        self._tail_pointers = [arrays.ffi.cast("void *", int(v))
-                               for v in table[1 + len(spec.tensors):slots["sizes"]]]
         self._signatures: dict = {}     # tuple of array shapes -> ([size pointers], nbytes)
         self._checked: set = set()      # size tuples that passed loop_bounds.check
         if not spec.sizes:
@@ -270,8 +262,25 @@ class CompiledNest:
         return f"<tpp loop nest {self.spec.order} over {', '.join(self.names)}>"
 
     def bind(self, *args, threads=None, **named) -> np.ndarray:
-        """The call table for these arrays and sizes (validated), for `run`; threads= (any
-        integral value in 1..MAX_THREADS) overrides tpp.get_num_threads() for this call."""
+        """The call table for these host arrays and sizes (validated), for `run`; threads=
+        (any integral value in 1..MAX_THREADS) overrides tpp.get_num_threads() for this call.
+        Arrays on another device: UnsupportedError (call the nest itself)."""
+        device, addresses, values, threads, _ = self._validate(args, threads, named)
+        if not device.is_host:
+            raise UnsupportedError(f"bind() makes the host's call table; the arrays are on "
+                                   f"{device}: call the nest instead")
+        return self._table(addresses, values, threads)
+
+    def _table(self, addresses, values, threads) -> np.ndarray:
+        table = self._template.copy()
+        table[1:1 + len(addresses)] = addresses
+        table[self._slots["sizes"]:] = values
+        table[0] = threads
+        return table
+
+    def _validate(self, args, threads, named) -> tuple:
+        """(device, addresses, size values, threads, any torch) of a call, after every check
+        (arrays, sizes, bounds, overlap)."""
         if len(args) > len(self.names):
             raise ArgumentError(f"the nest takes {len(self.names)} arrays "
                                 f"({', '.join(self.names)}), got {len(args)}")
@@ -287,27 +296,41 @@ class CompiledNest:
             if name in given:
                 raise ArgumentError(f"tensor {name!r} given twice")
             given[name] = value
-        found = []
+        found, bound = [], []
         for k, tensor in enumerate(self.spec.tensors):
             if tensor.name not in given:
                 raise ArgumentError(f"missing array for tensor {tensor.name!r}")
-            found.append(_check(tensor, given[tensor.name], k in self._written))
+            arr = arrays.as_array(given[tensor.name], tensor.name)
+            bound.append((tensor.name, arr))
+            found.append(_check(tensor, arr, k in self._written))
+        device = arrays.common_device(bound)
         shapes = tuple(shape for _, shape in found)
         values = self._size_values(shapes, explicit)
-        table = self._template.copy()
-        table[1:1 + len(found)] = [address for address, _ in found]
-        table[self._slots["sizes"]:] = values
+        addresses = [address for address, _ in found]
         nbytes = tuple(math.prod(shape) * t.dtype.itemsize
                        for shape, t in zip(shapes, self.spec.tensors))
-        self._check_overlap([address for address, _ in found], nbytes)
-        if self._inferable and not explicit:
+        self._check_overlap(addresses, nbytes)
+        if self._inferable and not explicit and device.is_host:
             self._remember(shapes, values, nbytes)
         if threads is not None:
             threads = checks.thread_count(threads, "threads")
         if not self._has_runtime:
             threads = 1
-        table[0] = self._threads.num_threads() if threads is None else threads
-        return table
+        threads = self._num_threads() if threads is None else threads
+        return device, addresses, values, threads, any(arrays.is_torch(a) for _, a in bound)
+
+    def _checked_call(self, args, threads, named) -> None:
+        """A call that the fast path did not take: every check, then the host's code or the
+        backend of the device where the arrays live."""
+        device, addresses, values, threads, torch = self._validate(args, threads, named)
+        if device.is_host:
+            self.run(self._table(addresses, values, threads))
+            return
+        code = self._devices.get(device)
+        if code is None:
+            code = self._devices[device] = registry.for_device(device).compile_nest(
+                self.spec, device)
+        code.run(addresses, values, threads=threads, torch_stream=torch)
 
     def _size_values(self, shapes, explicit) -> tuple:
         """The sizes of a call (in spec.sizes order) from the arrays' shapes and the explicit
@@ -357,7 +380,7 @@ class CompiledNest:
         """Run the nest on these arrays (numpy or torch CPU, one per declared tensor)."""
         table = self._fast_table(args, named, threads)
         if table is None:
-            self.run(self.bind(*args, threads=threads, **named))
+            self._checked_call(args, threads, named)
         else:
             self._int_entry(table)
 
@@ -366,7 +389,7 @@ class CompiledNest:
         one array per declared tensor, in order; every check the same)."""
         table = self._fast_table(arrays, None, threads)
         if table is None:
-            self.run(self.bind(*arrays, threads=threads))
+            self._checked_call(arrays, threads, {})
         else:
             self._int_entry(table)
 
@@ -391,7 +414,7 @@ class CompiledNest:
         elif len(given) != len(plain):
             return None
         if threads is None:
-            threads = self._threads.num_threads() if self._has_runtime else 1
+            threads = self._num_threads() if self._has_runtime else 1
         elif (not self._has_runtime or type(threads) is not int
               or not 1 <= threads <= checks.MAX_THREADS):
             return None
@@ -485,8 +508,9 @@ class CompiledNest:
             self._int_entry(table)
 
     def dump(self, what: str = "asm") -> str:
-        from tpp_cpu import backend
-        return backend.dump(self.spec, what)
+        """The nest's generated code (what: any kind a backend dumps; see tpp.Kernel.dump)."""
+        from .kernel import dump
+        return dump(self.spec, what)
 
 
 _NDARRAY = np.ndarray
@@ -557,9 +581,9 @@ def _same_blocks(call, w: int, j: int) -> bool:
 
 
 def _check(tensor: Tensor, arr, writable: bool) -> tuple:
-    """(address, shape) of an array given for `tensor`, after checking its dtype, rank,
-    C-contiguity and writability (the shape against the sizes: CompiledNest._size_values)."""
-    arr = arrays.as_host_array(arr, tensor.name, "a loop nest")
+    """(address, shape) of an array (through arrays.as_array) given for `tensor`, after
+    checking its dtype, rank, C-contiguity and writability (the shape against the sizes:
+    CompiledNest._size_values)."""
     dt, shape, strides, can_write, given = arrays.geometry(arr, tensor.name)
     shape = tuple(int(d) for d in shape)
     if dt != tensor.dtype:
