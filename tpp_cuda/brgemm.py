@@ -55,6 +55,10 @@ exactly once (bits past n stay 0).
 Fast: bf16/f16 tensor-core GEMMs with lds multiple of 8 and 16-byte aligned blocks. Slow-ish:
 unaligned blocks or lds (element-wise copies), mixed 16-bit inputs (SIMT), small m/n (few blocks:
 no split-k). Not done: wgmma/TMA (Hopper), split-k, block rasterization for L2 reuse.
+
+Block form (`block_function(spec, threads)`, what a loop nest calls; tpp_cuda.cooperative): the
+same kernel code with the block looping over all C tiles (a barrier between tiles), on the
+tile of BLOCK_TILES that has exactly `threads` threads (64, 128 or 256; block_tile).
 """
 from __future__ import annotations
 
@@ -66,16 +70,24 @@ from . import eltwise, ptx
 from .brgemm_mma import _mma_source
 from .brgemm_parts import MmaTile, SimtTile, _cdiv
 from .brgemm_simt import _simt_source
+from .cooperative import BLOCK_PREAMBLE, KERNEL, Block, Form
 from .launch import MAX_GRID_X, MAX_GRID_YZ, Launch
 
-__all__ = ["MMA_TILES", "SIMT_TILES", "MmaTile", "SimtTile", "kernel_name", "launch", "source",
-           "supported", "tile", "uses_tensor_cores"]
+__all__ = ["BLOCK_TILES", "MMA_TILES", "SIMT_TILES", "MmaTile", "SimtTile", "block_function",
+           "block_tile", "kernel_name", "launch", "source", "supported", "tile",
+           "uses_tensor_cores"]
 
 # ---------------------------------------------------------------- tiles
 MMA_TILES = {"large": MmaTile(128, 128, 32, 2, 4, 3), "medium": MmaTile(64, 64, 32, 2, 2, 3),
              "small": MmaTile(32, 32, 32, 1, 2, 2)}
 SIMT_TILES = {"large": SimtTile(128, 128, 8, 16, 16), "medium": SimtTile(64, 64, 8, 16, 16),
               "small": SimtTile(32, 32, 8, 8, 8)}
+# block forms (loop nests): threads per block -> (tensor-core tiles, smallest first; SIMT tile),
+# every tile of exactly that many threads
+BLOCK_TILES = {64: ((MMA_TILES["small"],), SIMT_TILES["small"]),
+               128: ((MmaTile(32, 32, 32, 2, 2, 3), MMA_TILES["medium"]),
+                     SimtTile(64, 32, 8, 8, 16)),
+               256: ((MMA_TILES["large"],), SIMT_TILES["medium"])}
 
 
 def _size_class(spec) -> str:
@@ -151,6 +163,33 @@ def source(spec, tile_=None) -> str:
     overrides the tile chosen from the spec: one of MMA_TILES / SIMT_TILES' values, of the
     spec's kind."""
     _check(spec, tile_)
-    name, t = kernel_name(spec, tile_), tile_ or tile(spec)
-    body = _mma_source(spec, name, t) if uses_tensor_cores(spec) else _simt_source(spec, name, t)
-    return f"{eltwise._PREAMBLE}{ptx.PREAMBLE}\n/* {spec.key()} */\n{body}"
+    return _source(spec, kernel_name(spec, tile_), tile_ or tile(spec), KERNEL)
+
+
+def block_tile(spec, threads: int):
+    """The tile of the spec's block form for a block of `threads` threads (BLOCK_TILES): the
+    SIMT tile, or the first tensor-core tile whose edge covers min(m, n) (else the last)."""
+    if threads not in BLOCK_TILES:
+        raise UnsupportedError(f"a BRGEMM block function runs on {sorted(BLOCK_TILES)} "
+                               f"threads, not {threads}")
+    mma, simt = BLOCK_TILES[threads]
+    if not uses_tensor_cores(spec):
+        return simt
+    return next((t for t in mma if min(spec.m, spec.n) <= min(t.bm, t.bn)), mma[-1])
+
+
+def block_function(spec, threads: int) -> Block:
+    """The spec's block form (tpp_cuda.cooperative): the kernel's code, the block looping over
+    all C tiles of block_tile(spec, threads); the tensor-core form takes the tile's pipeline
+    as dynamic shared memory (`tpp_smem`)."""
+    _check(spec)
+    t, form = block_tile(spec, threads), Form(threads)
+    shared = t.shared_bytes if isinstance(t, MmaTile) else 0
+    return Block(form.name(kernel_name(spec)), _source(spec, kernel_name(spec), t, form), shared)
+
+
+def _source(spec, name, t, form) -> str:
+    body = _mma_source(spec, name, t, form) if uses_tensor_cores(spec) else \
+        _simt_source(spec, name, t, form)
+    pre = "" if form.kernel else BLOCK_PREAMBLE
+    return f"{eltwise._PREAMBLE}{ptx.PREAMBLE}{pre}\n/* {spec.key()} */\n{body}"

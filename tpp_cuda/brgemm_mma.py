@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .brgemm_parts import (MmaTile, Stored, stored_a, stored_b, _params, _batch_args, _finish_fn,
-                           _common_constants, _cursor, _namespace, _c_bool, _cdiv, _CTYPE)
+                           _common_constants, _cursor, _helpers, _namespace, _prologue, _c_bool,
+                           _cdiv, _CTYPE)
 
 
 # ---------------------------------------------------------------- tensor-core kernel
@@ -218,9 +219,11 @@ def _mma_epilogue(spec) -> str:
 """
 
 
-def _mma_source(spec, name, t: MmaTile) -> str:
+def _mma_source(spec, name, t: MmaTile, form) -> str:
+    """The tensor-core kernel (form KERNEL: one BM x BN tile of C per block) or its block form
+    (the block loops over all tiles); `name` is the spec's kernel name."""
     a, b = stored_a(spec, t.bm, t.bk), stored_b(spec, t.bn, t.bk)
-    constants = (_common_constants(spec) +
+    constants = (_common_constants(spec, t) +
                  f"constexpr int BM = {t.bm}, BN = {t.bn}, BK = {t.bk}, STAGES = {t.stages};\n"
                  f"constexpr int THREADS = {t.threads}, WARPS_N = {t.warps_n};\n"
                  f"constexpr int WM = {t.bm // t.warps_m}, WN = {t.bn // t.warps_n}, "
@@ -230,17 +233,20 @@ def _mma_source(spec, name, t: MmaTile) -> str:
                  f"constexpr int A_ROW_BYTES = {2 * a.tile_cols}, B_ROW_BYTES = {2 * b.tile_cols};\n"
                  f"constexpr bool VEC_LD_A = {_c_bool(spec.lda % 8 == 0)}, "
                  f"VEC_LD_B = {_c_bool(spec.ldb % 8 == 0)};   // rows 16-byte aligned\n")
-    helpers = _namespace(name, constants, _cursor(spec), _mma_tile_offset(a), _mma_tile_offset(b),
+    fname = form.name(name)
+    helpers = _namespace(fname, constants, _cursor(spec), _mma_tile_offset(a), _mma_tile_offset(b),
                          _mma_copy_fn(spec, a, t), _mma_copy_fn(spec, b, t),
                          _mma_copy_next(spec, t), _mma_compute_fn(spec), _finish_fn(spec))
     _, names = _batch_args(spec)
-    kernel = f"""extern "C" __global__ void __launch_bounds__({t.threads}, {2 if t.threads >= 256 else 4}) {name}({", ".join(_params(spec))}) {{
-  using namespace {name}_ns;
+    body = f"""{_prologue(form, t)}  using namespace {fname}_ns;
   extern __shared__ __align__(16) unsigned char tpp_smem[];
-  const int m0 = (int)blockIdx.y * BM, n0 = (int)blockIdx.x * BN;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   const int wm0 = (warp / WARPS_N) * WM, wn0 = (warp % WARPS_N) * WN;
-{_mma_lane_offsets(spec)}  float acc[MI][NI][4];
+{_mma_lane_offsets(spec)}  /* block-uniform loops over the C tiles: all threads reach every barrier */
+  for (int tm = (int)biy; tm < TILES_M; tm += (int)gdy)
+  for (int tn = (int)bix; tn < TILES_N; tn += (int)gdx) {{
+  const int m0 = tm * BM, n0 = tn * BN;
+  float acc[MI][NI][4];
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -263,6 +269,9 @@ def _mma_source(spec, name, t: MmaTile) -> str:
     wr = wr + 1 == STAGES ? 0 : wr + 1;
   }}
   tpp_cp_async_wait<0>();
-{_mma_epilogue(spec)}}}
+{_mma_epilogue(spec)}  __syncthreads();   // the next tile's copies rewrite the stages
+  }}
 """
-    return helpers + kernel
+    bounds = f"__launch_bounds__({t.threads}, {2 if t.threads >= 256 else 4}) "
+    return _helpers(form, fname, helpers) + form.function(name, _params(spec), body,
+                                                          bounds=bounds)

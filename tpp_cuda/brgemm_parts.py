@@ -9,6 +9,7 @@ from tpp.core import optable
 from tpp.core.spec import mask_bytes
 
 from . import eltwise
+from .cooperative import guarded
 
 _CTYPE, _LOAD, _STORE = eltwise._CTYPE, eltwise._LOAD, eltwise._STORE
 
@@ -176,9 +177,11 @@ def _finish_fn(spec) -> str:
             " = (unsigned char)bits;\n}\n")
 
 
-def _common_constants(spec) -> str:
+def _common_constants(spec, t) -> str:
     return (f"constexpr int M = {spec.m}, N = {spec.n}, K = {spec.k};\n"
-            f"constexpr long long LDA = {spec.lda}, LDB = {spec.ldb}, LDC = {spec.ldc};\n")
+            f"constexpr long long LDA = {spec.lda}, LDB = {spec.ldb}, LDC = {spec.ldc};\n"
+            f"constexpr int TILES_M = {_cdiv(spec.m, t.bm)}, TILES_N = {_cdiv(spec.n, t.bn)};"
+            f"   // C tiles\n")
 
 
 def _cursor(spec) -> str:
@@ -204,3 +207,15 @@ __device__ __forceinline__ void seek(Cursor& cur, {decls}) {{
 
 def _namespace(name, *pieces) -> str:
     return f"namespace {name}_ns {{\n" + "\n".join(pieces) + f"}}  // namespace {name}_ns\n"
+
+
+def _helpers(form, fname: str, namespace: str) -> str:
+    """The helper namespace of function `fname` as its form needs it: a block form's guarded
+    (several nests calling the same function may share one translation unit)."""
+    return namespace if form.kernel else guarded(f"{fname}_ns", namespace)
+
+
+def _prologue(form, t) -> str:
+    """The grid names (tpp_cuda.cooperative) of a kernel whose blocks are t.threads threads
+    along x: the kernel's built-ins, or one block of exactly t.threads threads."""
+    return form.prologue() if form.kernel else form.prologue(t.threads, 1)

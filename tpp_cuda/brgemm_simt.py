@@ -3,7 +3,8 @@ tpp_cuda.brgemm's docstring."""
 from __future__ import annotations
 
 from .brgemm_parts import (SimtTile, Stored, stored_a, stored_b, _params, _batch_args, _finish_fn,
-                           _common_constants, _cursor, _namespace, _cdiv, _CTYPE, _LOAD)
+                           _common_constants, _cursor, _helpers, _namespace, _prologue, _cdiv,
+                           _CTYPE, _LOAD)
 
 
 # ---------------------------------------------------------------- SIMT f32 kernel
@@ -101,25 +102,30 @@ def _simt_epilogue(spec) -> str:
 """
 
 
-def _simt_source(spec, name, t: SimtTile) -> str:
+def _simt_source(spec, name, t: SimtTile, form) -> str:
+    """The SIMT kernel (form KERNEL: one BM x BN tile of C per block) or its block form (the
+    block loops over all tiles); `name` is the spec's kernel name."""
     a, b = stored_a(spec, t.bm, t.bk), stored_b(spec, t.bn, t.bk)
-    constants = (_common_constants(spec) +
+    constants = (_common_constants(spec, t) +
                  f"constexpr int BM = {t.bm}, BN = {t.bn}, BK = {t.bk}, TX = {t.tx}, "
                  f"THREADS = {t.threads};\n"
                  f"constexpr int SPLIT_M = {t.split_m}, SPLIT_N = {t.split_n}, "
                  f"RM = {4 * t.split_m}, RN = {4 * t.split_n};\n"
                  f"constexpr int KT = {_cdiv(spec.k, t.bk)};   // k tiles per batch block\n"
                  "constexpr bool VEC_LD_A = false, VEC_LD_B = false;   // element loads only\n")
-    helpers = _namespace(name, constants, _cursor(spec), _simt_fetch_fn(spec, a, t),
+    fname = form.name(name)
+    helpers = _namespace(fname, constants, _cursor(spec), _simt_fetch_fn(spec, a, t),
                          _simt_fetch_fn(spec, b, t), _simt_fetch_next(spec), _simt_compute_fn(),
                          _finish_fn(spec))
     _, names = _batch_args(spec)
-    kernel = f"""extern "C" __global__ void __launch_bounds__({t.threads}, 2) {name}({", ".join(_params(spec))}) {{
-  using namespace {name}_ns;
+    body = f"""{_prologue(form, t)}  using namespace {fname}_ns;
   __shared__ __align__(16) float as[2][BK][BM + 4];
   __shared__ __align__(16) float bs[2][BK][BN + 4];
-  const int m0 = (int)blockIdx.y * BM, n0 = (int)blockIdx.x * BN;
   const int tx = (int)threadIdx.x % TX, ty = (int)threadIdx.x / TX;
+  /* block-uniform loops over the C tiles: every thread reaches every barrier */
+  for (int tm = (int)biy; tm < TILES_M; tm += (int)gdy)
+  for (int tn = (int)bix; tn < TILES_N; tn += (int)gdx) {{
+  const int m0 = tm * BM, n0 = tn * BN;
   float acc[RM][RN];
 #pragma unroll
   for (int i = 0; i < RM; ++i)
@@ -147,6 +153,8 @@ def _simt_source(spec, name, t: SimtTile) -> str:
     __syncthreads();
     buf ^= 1;
   }}
-{_simt_epilogue(spec)}}}
+{_simt_epilogue(spec)}  __syncthreads();   // the next tile rewrites the shared tiles
+  }}
 """
-    return helpers + kernel
+    return _helpers(form, fname, helpers) + form.function(
+        name, _params(spec), body, bounds=f"__launch_bounds__({t.threads}, 2) ")

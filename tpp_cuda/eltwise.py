@@ -3,13 +3,14 @@
 One `extern "C" __global__` kernel per spec. Its arguments are one pointer per operand of
 `spec.operands()`, in order, then `long long seed` when the definition draws random bits
 (dropout): the CPU ABI's order. The sizes and leading dimensions are baked in as constants; a
-2-D grid-stride loop runs over rows (y) and column chunks (x). Inputs are loaded
-and widened to float, the op's definition (`tpp.core.optable`) is computed in float, rendered node by
-node by `tpp_cuda.expr_cuda` (so the results are the CPU backend's bits), and the result is
-rounded to the output dtype with round-to-nearest-even. A bitmask input reads as a bool. The
-definition's other leaves are C expressions: X.index("flat") is the element's flat index
-(unsigned int)(i * n + j) (n the logical row length, not the leading dimension), X.seed(0 / 1)
-the low / high word of the seed, so dropout draws the CPU kernel's stream
+2-D grid-stride loop runs over rows (y) and column chunks (x). `block_function(spec, threads)`
+is the same code as a block-cooperative device function (tpp_cuda.cooperative). Inputs are
+loaded and widened to float, the op's definition (`tpp.core.optable`) is computed in float,
+rendered node by node by `tpp_cuda.expr_cuda` (so the results are the CPU backend's bits), and
+the result is rounded to the output dtype with round-to-nearest-even. A bitmask input reads as
+a bool. The definition's other leaves are C expressions: X.index("flat") is the element's flat
+index (unsigned int)(i * n + j) (n the logical row length, not the leading dimension),
+X.seed(0 / 1) the low / high word of the seed, so dropout draws the CPU kernel's stream
 (`optable.dropout_draw`).
 
 A spec writing a bitmask (relu with bitmask=True, dropout, the compare ops) gives each thread a
@@ -25,6 +26,7 @@ from tpp.core.errors import UnsupportedError
 from tpp.core.spec import mask_bytes
 
 from . import expr_cuda
+from .cooperative import BLOCK_PREAMBLE, KERNEL, Block, Form, pow2_at_least
 from .launch import Launch, grid_stride_2d
 
 # C element type, load (to float) and store (from float) per dtype
@@ -112,8 +114,23 @@ def body(definition, variables: dict, prefix: str = "e") -> tuple:
 def source(spec) -> str:
     """The CUDA C source of one kernel for an element-wise spec."""
     _check(spec)
+    return f"{_PREAMBLE}\n/* {spec.key()} */\n" + _function(spec, KERNEL)
+
+
+def block_function(spec, threads: int) -> Block:
+    """The spec's block form (tpp_cuda.cooperative): the kernel's parameters, the whole block
+    striding over the rows (y) and column chunks (x): BX the power of two >= the chunks (at
+    most the block), so short rows still keep every thread busy."""
+    _check(spec)
+    form = Form(threads)
+    text = f"{_PREAMBLE}{BLOCK_PREAMBLE}\n/* {spec.key()} */\n" + _function(spec, form)
+    return Block(form.name(kernel_name(spec)), text)
+
+
+def _function(spec, form) -> str:
+    """The spec's C function in `form`: a 2-D grid-stride loop over rows (y) and column
+    chunks (x) around the element code."""
     ops = spec.operands()
-    name = kernel_name(spec)
     var = _variables(spec)
     mask_out = next((o for o in ops if o.layout == "mask" and o.role == "out"), None)
     width = _chunk_width(spec)
@@ -146,14 +163,11 @@ def source(spec) -> str:
     head = "      unsigned int bits = 0u;\n" if mask_out is not None else ""
     tail = (f"      {mask_out.name}[i * {mask_bytes(spec.n)} + jc] = (unsigned char)bits;\n"
             if mask_out is not None else "")
-    return f"""{_PREAMBLE}
-/* {spec.key()} */
-extern "C" __global__ void {name}({", ".join(args)}) {{
-  const long long M = {spec.m}, CHUNKS = {chunks}, N = {spec.n};
-  for (long long i = (long long)blockIdx.y * blockDim.y + threadIdx.y; i < M;
-       i += (long long)gridDim.y * blockDim.y) {{
-    for (long long jc = (long long)blockIdx.x * blockDim.x + threadIdx.x; jc < CHUNKS;
-         jc += (long long)gridDim.x * blockDim.x) {{
+    prologue = form.prologue() if form.kernel else \
+        form.prologue(*form.split(pow2_at_least(chunks)))
+    text = f"""{prologue}  const long long M = {spec.m}, CHUNKS = {chunks}, N = {spec.n};
+  for (long long i = (long long)biy * bdy + tiy; i < M; i += (long long)gdy * bdy) {{
+    for (long long jc = (long long)bix * bdx + tix; jc < CHUNKS; jc += (long long)gdx * bdx) {{
 {head}      for (int jj = 0; jj < {width}; ++jj) {{
         const long long j = jc * {width} + jj;
         if (j >= N) break;
@@ -161,8 +175,8 @@ extern "C" __global__ void {name}({", ".join(args)}) {{
       }}
 {tail}    }}
   }}
-}}
 """
+    return form.function(kernel_name(spec), args, text)
 
 
 def launch(spec) -> Launch:

@@ -11,7 +11,9 @@ element-wise arithmetic and the transcendentals are the CPU backend's; sums are 
 order than the CPU's (lane-strided, then a tree), so they agree to rounding.
 
 Supported: reductions along axis 1 of block expressions (LayerNorm, RMSNorm, softmax and their
-input gradients). Reductions along axis 0 (over the rows, e.g. a LayerNorm weight gradient)
+input gradients), in the kernel and in the block form `block_function(spec, threads)` (a
+device function whose block's warps stride over the rows, tpp_cuda.cooperative). Reductions
+along axis 0 (over the rows, e.g. a LayerNorm weight gradient)
 are CPU-only for now: UnsupportedError.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tpp.core.errors import UnsupportedError
 from tpp.core.spec import mask_bytes
 
 from . import expr_cuda
+from .cooperative import BLOCK_PREAMBLE, KERNEL, Block, Form
 from .eltwise import _CTYPE, _LOAD, _PREAMBLE, _STORE
 from .launch import MAX_GRID_X, Launch
 
@@ -98,6 +101,19 @@ def _indent(lines, depth):
 def source(spec) -> str:
     """The CUDA C source of one equation kernel."""
     _check(spec)
+    return f"{_PREAMBLE}\n/* {spec.key()} */\n" + _function(spec, KERNEL)
+
+
+def block_function(spec, threads: int) -> Block:
+    """The spec's block form (tpp_cuda.cooperative): the block's warps stride over the rows."""
+    _check(spec)
+    form = Form(threads)
+    text = f"{_PREAMBLE}{BLOCK_PREAMBLE}\n/* {spec.key()} */\n" + _function(spec, form)
+    return Block(form.name(kernel_name(spec)), text)
+
+
+def _function(spec, form) -> str:
+    """The C function of the equation in `form`: a warp (tiy) per row, rows grid-strided."""
     leaves = _Leaves(spec)
     order = X.topological(spec.nodes)
     reductions = [nd for nd in order if nd.op in X.REDUCTIONS]
@@ -131,17 +147,14 @@ def source(spec) -> str:
         body += _indent(_store_lines(row_outs, leaves, "v"), 4) + ["  }", "}"]
     body += _block_pass([p for p in pairs if p[0].shape == "block"], leaves, spec)
     inner = "\n".join(_indent(body, 4))
-    return f"""{_PREAMBLE}
-/* {spec.key()} */
-extern "C" __global__ void {kernel_name(spec)}({", ".join(args)}) {{
-  const long long M = {spec.m}, N = {spec.n};
-  const long long lane = threadIdx.x;
-  for (long long i = (long long)blockIdx.x * blockDim.y + threadIdx.y; i < M;
-       i += (long long)gridDim.x * blockDim.y) {{
+    prologue = form.prologue() if form.kernel else form.prologue(*form.split(32))
+    text = f"""{prologue}  const long long M = {spec.m}, N = {spec.n};
+  const long long lane = tix;
+  for (long long i = (long long)bix * bdy + tiy; i < M; i += (long long)gdx * bdy) {{
 {inner}
   }}
-}}
 """
+    return form.function(kernel_name(spec), args, text)
 
 
 def _store_lines(pairs, leaves, prefix):

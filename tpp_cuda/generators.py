@@ -1,8 +1,11 @@
 """Which CUDA generator module builds a spec, and the generator contract through it.
 
 Every generator module (eltwise, transform, brgemm, equation) offers `kernel_name(spec)`, `source(spec)`,
-`launch(spec) -> Launch` and `supported(spec)`; `module_for(spec)` picks the one for a spec and
-the functions below delegate to it, so callers (the runtime, the tests) need not know which.
+`launch(spec) -> Launch`, `supported(spec)` and `block_function(spec, threads)` (the spec's
+block-cooperative device function, tpp_cuda.cooperative); `module_for(spec)` picks the one for a
+spec and the functions below delegate to it, so callers (the runtime, the tests) need not know
+which. Loop nests (family "loopnest") go to tpp_cuda.loopnest, whose `launch(spec, sizes)`
+takes the call's sizes: `launch(spec)` below gives a nest's geometry only when it has none.
 """
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ def module_for(spec):
     if spec.family == "equation":
         from . import equation
         return equation
+    if spec.family == "loopnest":
+        from . import loopnest
+        return loopnest
     if spec.family == "brgemm":
         module = _brgemm()
         if module is None:

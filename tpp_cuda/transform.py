@@ -8,7 +8,8 @@ operand of `spec.operands()` in order (eltwise's C element types; an index opera
 the geometry; every kernel loops over whatever its grid does not cover, so it is correct for any
 grid, but kernels that use shared memory or warp shuffles fix their block shape: the source names
 it as the constants BX, BY, the launch uses exactly that block, and the kernel asserts
-`blockDim == (BX, BY, 1)`.
+`blockDim == (BX, BY, 1)`. `block_function(spec, threads)` is the same code as a
+block-cooperative device function (tpp_cuda.cooperative; its block is the whole grid).
 
 reduce_*     Values are widened to f32 and accumulated in f32 in a fixed order (no atomics, so
              the result is deterministic and independent of the grid). max / min / absmax
@@ -39,6 +40,7 @@ import hashlib
 
 from tpp.core.errors import UnsupportedError
 
+from .cooperative import KERNEL, Block, Form, pow2_at_least
 from .eltwise import _CTYPE, _LOAD, _PREAMBLE, _STORE
 from .launch import Launch, grid_stride_2d
 
@@ -92,12 +94,21 @@ def kernel_name(spec) -> str:
 def source(spec) -> str:
     """The CUDA C source of one kernel for the spec."""
     _check(spec)
-    body = _generator(spec)[0](spec)
-    return f"""{_PREAMBLE}{_TRANSFORM_PREAMBLE}
-/* {spec.key()} */
-extern "C" __global__ void {kernel_name(spec)}({_parameters(spec)}) {{
-{body}}}
-"""
+    return _source(spec, KERNEL)
+
+
+def block_function(spec, threads: int) -> Block:
+    """The spec's block form (tpp_cuda.cooperative): the kernel's code with the whole block as
+    its grid, the fixed block shapes (BX, BY) refitted to `threads` threads."""
+    _check(spec)
+    form = Form(threads)
+    return Block(form.name(kernel_name(spec)), _source(spec, form))
+
+
+def _source(spec, form) -> str:
+    body = _generator(spec)[0](spec, form)
+    return (f"{_PREAMBLE}{_TRANSFORM_PREAMBLE}\n/* {spec.key()} */\n"
+            + form.function(kernel_name(spec), _parameters(spec), body))
 
 
 def launch(spec) -> Launch:
@@ -121,13 +132,13 @@ def _parameters(spec) -> str:
     for o in spec.operands():
         const = "const " if o.role == "in" else ""
         args.append(f"{const}{_CTYPES[o.dtype.name]}* __restrict__ {o.name}")
-    return ", ".join(args)
+    return args
 
 
-def _fixed_block(bx: int, by: int) -> str:
-    """Kernel prologue of a kernel written for blockDim == (bx, by, 1)."""
-    return (f"  constexpr int BX = {bx}, BY = {by};\n"
-            f"  assert(blockDim.x == BX && blockDim.y == BY && blockDim.z == 1);\n")
+def _fixed_block(form, bx: int, by: int) -> str:
+    """Prologue of a body written for a (bx, by) block: the kernel's blockDim, or a block
+    form's `threads` split as (bx, threads / bx)."""
+    return form.prologue(bx, by) if form.kernel else form.prologue(*form.split(bx))
 
 
 def _grid(items_x: int, items_y: int = 1) -> tuple:
@@ -154,38 +165,34 @@ def _bits_view(spec, pointers=("in", "out")) -> str:
 
 
 # ---------------------------------------------------------------- reductions
-def _pow2_at_least(k: int) -> int:
-    p = 1
-    while p < k:
-        p *= 2
-    return p
-
-
 def _lanes_per_row(n: int) -> int:
     """axis 1: lanes that reduce one row (a power of two <= 32)."""
-    return _pow2_at_least(min(n, 32))
+    return pow2_at_least(min(n, 32))
 
 
-def _axis0_block(spec) -> tuple:
-    """axis 0: (BX columns, BY row strides) per block, 256 threads at most."""
-    by = min(8, _pow2_at_least(spec.m))
+def _axis0_block(spec, form=KERNEL) -> tuple:
+    """axis 0: (BX columns, BY row strides) per block, 256 threads at most (a block form:
+    all its threads)."""
+    by = min(8, pow2_at_least(spec.m))
+    if not form.kernel:
+        return form.threads // by, by
     bx = min(256 // by, 32 * _cdiv(spec.n, 32))
     return bx, by
 
 
-def _reduce_body(spec) -> str:
+def _reduce_body(spec, form) -> str:
     identity, absorb, combine = _REDUCE[spec.op]
     load = _LOAD[spec.dtype_in.name].format("in[i * LDI + j]")
     store = _STORE[spec.dtype_out.name].format("acc")
     head = f"  const long long M = {spec.m}, N = {spec.n}, LDI = {spec.ldi};\n"
     if spec.param("axis") == 1:
         lanes = _lanes_per_row(spec.n)
-        return head + _fixed_block(32, 8) + f"""\
+        return head + _fixed_block(form, 32, 8) + f"""\
   constexpr int L = {lanes}, RPW = 32 / L;   /* lanes per row, rows per warp */
-  const int sub = threadIdx.x / L, lane = threadIdx.x % L;
+  const int sub = tix / L, lane = tix % L;
   /* the loop condition is warp-uniform: all 32 lanes reach every shuffle */
-  for (long long i0 = ((long long)blockIdx.x * BY + threadIdx.y) * RPW; i0 < M;
-       i0 += (long long)gridDim.x * BY * RPW) {{
+  for (long long i0 = ((long long)bix * BY + tiy) * RPW; i0 < M;
+       i0 += (long long)gdx * BY * RPW) {{
     const long long i = i0 + sub;
     float acc = {identity};
     if (i < M) {{
@@ -201,31 +208,31 @@ def _reduce_body(spec) -> str:
     if (lane == 0 && i < M) out[i] = {store};
   }}
 """
-    bx, by = _axis0_block(spec)
+    bx, by = _axis0_block(spec, form)
     combine_partials = "" if by == 1 else f"""\
-    part[threadIdx.y][threadIdx.x] = acc;
+    part[tiy][tix] = acc;
     __syncthreads();
-    if (threadIdx.y == 0) {{
+    if (tiy == 0) {{
       for (int y = 1; y < BY; ++y) {{
-        const float a = acc, b = part[y][threadIdx.x];
+        const float a = acc, b = part[y][tix];
         acc = {combine};
       }}
     }}
     __syncthreads();                 /* part is rewritten by the next column group */
 """
-    return head + _fixed_block(bx, by) + ("" if by == 1 else
-                                          "  __shared__ float part[BY][BX];\n") + f"""\
+    return head + _fixed_block(form, bx, by) + ("" if by == 1 else
+                                                "  __shared__ float part[BY][BX];\n") + f"""\
   /* the loop condition is block-uniform: every thread reaches every barrier */
-  for (long long j0 = (long long)blockIdx.x * BX; j0 < N; j0 += (long long)gridDim.x * BX) {{
-    const long long j = j0 + threadIdx.x;
+  for (long long j0 = (long long)bix * BX; j0 < N; j0 += (long long)gdx * BX) {{
+    const long long j = j0 + tix;
     float acc = {identity};
     if (j < N) {{
-      for (long long i = threadIdx.y; i < M; i += BY) {{
+      for (long long i = tiy; i < M; i += BY) {{
         const float x = {load};
         acc = {absorb};
       }}
     }}
-{combine_partials}    if (threadIdx.y == 0 && j < N) out[j] = {store};
+{combine_partials}    if (tiy == 0 && j < N) out[j] = {store};
   }}
 """
 
@@ -246,24 +253,24 @@ def _tile_pitch(itemsize: int) -> int:
     return per_word * (words + 1 - words % 2)
 
 
-def _transpose_body(spec) -> str:
+def _transpose_body(spec, form) -> str:
     bits = _BITS[spec.dtype_in.itemsize]
-    return _fixed_block(_TILE, _TILE_ROWS) + _bits_view(spec) + f"""\
+    return _fixed_block(form, _TILE, _TILE_ROWS) + _bits_view(spec) + f"""\
   constexpr int T = {_TILE};
   const long long M = {spec.m}, N = {spec.n}, LDI = {spec.ldi}, LDO = {spec.ldo};
   const long long TILES_M = {_cdiv(spec.m, _TILE)}, TILES_N = {_cdiv(spec.n, _TILE)};
   __shared__ {bits} tile[T][{_tile_pitch(spec.dtype_in.itemsize)}];
   /* block-uniform loops over tiles: every thread reaches every barrier */
-  for (long long tm = blockIdx.y; tm < TILES_M; tm += gridDim.y) {{
-    for (long long tn = blockIdx.x; tn < TILES_N; tn += gridDim.x) {{
-      for (int y = threadIdx.y; y < T; y += BY) {{      /* load along input rows */
-        const long long i = tm * T + y, j = tn * T + threadIdx.x;
-        if (i < M && j < N) tile[y][threadIdx.x] = in_bits[i * LDI + j];
+  for (long long tm = biy; tm < TILES_M; tm += gdy) {{
+    for (long long tn = bix; tn < TILES_N; tn += gdx) {{
+      for (int y = tiy; y < T; y += BY) {{      /* load along input rows */
+        const long long i = tm * T + y, j = tn * T + tix;
+        if (i < M && j < N) tile[y][tix] = in_bits[i * LDI + j];
       }}
       __syncthreads();
-      for (int y = threadIdx.y; y < T; y += BY) {{      /* store along output rows */
-        const long long i = tn * T + y, j = tm * T + threadIdx.x;   /* out (i, j) = in (j, i) */
-        if (i < N && j < M) out_bits[i * LDO + j] = tile[threadIdx.x][y];
+      for (int y = tiy; y < T; y += BY) {{      /* store along output rows */
+        const long long i = tn * T + y, j = tm * T + tix;   /* out (i, j) = in (j, i) */
+        if (i < N && j < M) out_bits[i * LDO + j] = tile[tix][y];
       }}
       __syncthreads();
     }}
@@ -276,7 +283,7 @@ def _transpose_launch(spec) -> Launch:
 
 
 # ---------------------------------------------------------------- vnni2 / vnni2_inv
-def _vnni_body(spec) -> str:
+def _vnni_body(spec, form) -> str:
     if spec.kind == "vnni2":       # in (m, n) -> out (ceil(m/2), 2n)
         pair = """\
         const long long lo = 2 * r * LDI + j;
@@ -288,13 +295,13 @@ def _vnni_body(spec) -> str:
         out_bits[2 * r * LDO + j] = in_bits[r * LDI + 2 * j];
         if (2 * r + 1 < M) out_bits[(2 * r + 1) * LDO + j] = in_bits[r * LDI + 2 * j + 1];
 """
-    return _bits_view(spec) + f"""\
+    prologue = form.prologue() if form.kernel else \
+        form.prologue(*form.split(pow2_at_least(spec.n)))
+    return prologue + _bits_view(spec) + f"""\
   const long long M = {spec.m}, PAIRS = {_cdiv(spec.m, 2)}, N = {spec.n};
   const long long LDI = {spec.ldi}, LDO = {spec.ldo};
-  for (long long r = (long long)blockIdx.y * blockDim.y + threadIdx.y; r < PAIRS;
-       r += (long long)gridDim.y * blockDim.y) {{
-    for (long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x; j < N;
-         j += (long long)gridDim.x * blockDim.x) {{
+  for (long long r = (long long)biy * bdy + tiy; r < PAIRS; r += (long long)gdy * bdy) {{
+    for (long long j = (long long)bix * bdx + tix; j < N; j += (long long)gdx * bdx) {{
 {pair}    }}
   }}
 """
@@ -305,40 +312,43 @@ def _vnni_launch(spec) -> Launch:
 
 
 # ---------------------------------------------------------------- gather_rows / scatter_rows
-def _by_index_block(spec) -> tuple:
-    """(BX threads along a row, BY rows) per block, 256 threads."""
+def _by_index_block(spec, form=KERNEL) -> tuple:
+    """(BX threads along a row, BY rows) per block, 256 threads (a block form: its threads,
+    BX a power of two)."""
+    if not form.kernel:
+        return form.split(max(32, pow2_at_least(spec.n)))
     bx = min(256, 32 * _cdiv(spec.n, 32))
     return bx, 256 // bx
 
 
-def _by_index_body(spec) -> str:
-    bx, by = _by_index_block(spec)
+def _by_index_body(spec, form) -> str:
+    bx, by = _by_index_block(spec, form)
     if spec.kind == "gather":
         src_row, dst_row, select = "r", "i", "    const bool copy = i < M;\n"
     else:
         src_row, dst_row = "i", "r"
         select = """\
     /* a repeated index keeps its last row: skip row i if a later entry repeats idx[i] */
-    if (threadIdx.x == 0) later[threadIdx.y] = 0;
+    if (tix == 0) later[tiy] = 0;
     __syncthreads();
     if (i < M) {
-      for (long long k = i + 1 + threadIdx.x; k < M; k += BX) {
-        if (idx[k] == r) { later[threadIdx.y] = 1; break; }
+      for (long long k = i + 1 + tix; k < M; k += BX) {
+        if (idx[k] == r) { later[tiy] = 1; break; }
       }
     }
     __syncthreads();
-    const bool copy = i < M && !later[threadIdx.y];
+    const bool copy = i < M && !later[tiy];
     __syncthreads();                 /* later is reset by the next row group */
 """
     shared = "  __shared__ int later[BY];\n" if spec.kind == "scatter" else ""
-    return _fixed_block(bx, by) + shared + _bits_view(spec) + f"""\
+    return _fixed_block(form, bx, by) + shared + _bits_view(spec) + f"""\
   const long long M = {spec.m}, N = {spec.n}, LDI = {spec.ldi}, LDO = {spec.ldo};
   /* block-uniform loop over groups of BY index entries: every thread reaches every barrier */
-  for (long long i0 = (long long)blockIdx.x * BY; i0 < M; i0 += (long long)gridDim.x * BY) {{
-    const long long i = i0 + threadIdx.y;
+  for (long long i0 = (long long)bix * BY; i0 < M; i0 += (long long)gdx * BY) {{
+    const long long i = i0 + tiy;
     const long long r = i < M ? idx[i] : 0;
 {select}    if (copy) {{
-      for (long long j = threadIdx.x; j < N; j += BX)
+      for (long long j = tix; j < N; j += BX)
         out_bits[{dst_row} * LDO + j] = in_bits[{src_row} * LDI + j];
     }}
   }}
