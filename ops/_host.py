@@ -1,37 +1,186 @@
-"""Array bookkeeping the operators share: numpy or torch CPU in, the same kind out.
+"""Array bookkeeping the operators share: the kind of array given is the kind returned.
 
 Operators take numpy arrays or torch CPU tensors and return the kind they were given; these
-helpers allocate, view and validate without copying where the layout allows.
+helpers allocate, view and validate without copying where the layout allows. The operators
+that run on a GPU too (ops.matmul, ops.linear, the MLP, ops.pack_*, ops.blocked) also take
+device arrays: torch CUDA tensors (used as they are) and anything with
+`__cuda_array_interface__` or a CUDA DLPack capsule (cupy, numba, ...), which `host(x, name,
+device=True)` turns into a `DeviceView`. Their outputs come from the device's backend
+(`empty`: torch CUDA for torch inputs, else what the backend's `empty` gives, cupy for the
+CUDA backend), on the inputs' device; every device-side step is a TPP kernel or nest.
 """
 from __future__ import annotations
 
 import inspect
 import math
 import sys
+import types
 
 import numpy as np
 
-from tpp.runtime import arrays
+import tpp
+from tpp.runtime import arrays, device_arrays, registry
+from tpp.runtime.device import CPU, Device
+from tpp.runtime.device_arrays import CudaView
+from tpp.runtime.lru import LRU
 
 from tpp.core import checks
 from tpp.core import dtypes as _dt
-from tpp.core.errors import ArgumentError
+from tpp.core.errors import ArgumentError, UnsupportedError
 
 
-def host(x, name: str):
-    """x as a numpy array or CPU torch tensor (UnsupportedError for other devices). numpy
-    arrays and CPU tensors of a type seen before return at once (a tensor's .device costs
-    ~0.8 us; .is_cpu ~0.1)."""
+def host(x, name: str, device: bool = False):
+    """x as a numpy array or CPU torch tensor; with device=True a device array too (a torch
+    CUDA tensor as it is, other device data as a DeviceView), else device data is an
+    UnsupportedError naming the operator and the device. numpy arrays and CPU tensors of a
+    type seen before return at once (a tensor's .device costs ~0.8 us; .is_cpu ~0.1)."""
     t = type(x)
     if t is np.ndarray or (t in _CPU_TENSOR_TYPES and x.is_cpu):
         return x
-    arr = arrays.as_host_array(x, name, "the ops operators (CPU loop nests)")
+    if t is DeviceView and device:
+        return x
+    arr = arrays.as_array(x, name)
+    where = arrays.device_of(arr)
+    if not where.is_host:
+        if not device:
+            raise UnsupportedError(f"{_operator()}: {name} is on {where} "
+                                   f"({type(x).__name__}); this operator runs on the CPU only "
+                                   f"(on a GPU: ops.matmul, ops.linear, the MLP, ops.pack_kn / "
+                                   f"pack_nk, ops.blocked)")
+        return arr if arrays.is_torch(arr) else DeviceView.of(arr)
     if arr is x and arrays.is_torch(x) and t.__module__.startswith("torch"):
         _CPU_TENSOR_TYPES.add(t)     # torch.Tensor, torch.nn.Parameter
     return arr
 
 
 _CPU_TENSOR_TYPES: set = set()
+
+
+def _operator() -> str:
+    """The public ops entry point the current call came through (the outermost ops frame on
+    the stack: ops.layer_norm, ops.torch_norms.LayerNorm.forward, ...), for error messages."""
+    name, frame = "ops", sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("ops.") and module != __name__:
+            code = frame.f_code
+            package = sys.modules.get("ops")
+            fn = getattr(package, code.co_name, None) if package is not None else None
+            if getattr(fn, "__code__", None) is code:
+                name = f"ops.{code.co_name}"
+            else:
+                name = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+        frame = frame.f_back
+    return name
+
+
+class DeviceView:
+    """A view of device memory for the operators: address, shape, strides (elements), numpy
+    dtype, device, and the producer's object `obj` (kept alive). It exposes
+    `__cuda_array_interface__` (v3), so kernels and nests take it like the producer's array,
+    and offers what the operators use on arrays: shape, ndim, dtype, reshape (C-contiguous
+    views only), T (2-D) and is_contiguous()."""
+
+    __slots__ = ("obj", "ptr", "shape", "strides", "dtype", "readonly", "index")
+
+    def __init__(self, obj, ptr, shape, strides, dtype, readonly, index):
+        self.obj, self.ptr, self.shape, self.strides = obj, ptr, tuple(shape), tuple(strides)
+        self.dtype, self.readonly, self.index = dtype, readonly, index
+
+    @staticmethod
+    def of(view: CudaView) -> "DeviceView":
+        return DeviceView(view.obj, view.ptr, view.shape, view.strides, view.dtype,
+                          view.readonly, view.device)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def where(self) -> Device:
+        return Device("cuda", self.index)
+
+    @property
+    def device(self):
+        """The producer-style device (`.id`), read by tpp.runtime.device_arrays."""
+        return types.SimpleNamespace(id=self.index)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        size = self.dtype.itemsize
+        return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
+                "data": (self.ptr, self.readonly),
+                "strides": tuple(s * size for s in self.strides)}
+
+    def is_contiguous(self) -> bool:
+        return arrays.contiguous(self.shape, self.strides)
+
+    def reshape(self, *shape) -> "DeviceView":
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = tuple(int(d) for d in shape)
+        if math.prod(shape) != math.prod(self.shape) or not self.is_contiguous():
+            raise ArgumentError(f"cannot view device data of shape {self.shape} (strides "
+                                f"{self.strides}) as {shape}")
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        return DeviceView(self.obj, self.ptr, shape, tuple(reversed(strides)), self.dtype,
+                          self.readonly, self.index)
+
+    @property
+    def T(self) -> "DeviceView":
+        return DeviceView(self.obj, self.ptr, self.shape[::-1], self.strides[::-1], self.dtype,
+                          self.readonly, self.index)
+
+    def __repr__(self):
+        return f"<DeviceView {self.shape} {self.dtype} on cuda:{self.index}>"
+
+
+def on_device(x) -> bool:
+    """Whether x (an array as `host(..., device=True)` returns it, or a backend's device
+    array: cupy, ...) lives on a device."""
+    t = type(x)
+    if t is np.ndarray:
+        return False
+    if t is DeviceView:
+        return True
+    if arrays.is_torch(x):
+        return not x.is_cpu
+    return device_arrays.is_cuda_object(x)
+
+
+def device_of(x) -> Device:
+    """The Device of an operator's array (as host(..., device=True) returns it, or the
+    backend's allocation)."""
+    t = type(x)
+    if t is np.ndarray:
+        return CPU
+    if t is DeviceView:
+        return x.where
+    if arrays.is_torch(x):
+        return CPU if x.is_cpu else arrays.device_of(x)
+    return arrays.device_of(arrays.as_array(x, "array"))
+
+
+def same_device(**named) -> Device:
+    """The one Device of the named arrays (None values skipped). UnsupportedError (the
+    registry's) for data on a device no backend runs (meta, ...); ArgumentError naming them
+    when they live on different devices."""
+    where = {}
+    for name, x in named.items():
+        if x is not None:
+            where.setdefault(device_of(x), name)
+    for d in where:
+        if not d.is_host:
+            registry.for_device(d)
+    if len(where) > 1:
+        spots = ", ".join(f"{name} on {'the host' if d.is_host else d}"
+                          for d, name in where.items())
+        raise ArgumentError(f"the operands live on different devices ({spots}); move them to "
+                            f"one device first")
+    return next(iter(where), CPU)
 
 
 def reject_unknown(fn, unknown: dict):
@@ -66,25 +215,103 @@ def dtype_of(x, name: str) -> _dt.DType:
 
 
 def empty(shape, dtype: _dt.DType, like):
-    """An uninitialised array of the same kind as `like` (numpy array or torch tensor)."""
+    """An uninitialised array of the same kind as `like` (numpy array, torch tensor) on its
+    device: on a GPU, what the device's backend allocates (a torch tensor for torch `like`,
+    else the backend's array: cupy for CUDA)."""
+    if type(like) is np.ndarray:
+        return np.empty(tuple(shape), dtype.numpy)
     if arrays.is_torch(like):
+        if not like.is_cpu:
+            return _device_empty(shape, dtype, like)
         import torch
         return torch.empty(tuple(shape), dtype=getattr(torch, dtype.torch_name))
+    if on_device(like):
+        return _device_empty(shape, dtype, like)
     return np.empty(tuple(shape), dtype.numpy)
 
 
+def _device_empty(shape, dtype, like):
+    where = device_of(like)
+    return registry.for_device(where).empty(tuple(int(d) for d in shape), dtype, where,
+                                            arrays.is_torch(like))
+
+
 def zeros(shape, dtype: _dt.DType, like):
+    """Zeros like `empty`; on a device written by the zero TPP."""
+    if on_device(like):
+        out = _device_empty(shape, dtype, like)
+        cols = shape[-1] if len(shape) else 1
+        rows = math.prod(shape) // cols if cols else 0
+        if rows and cols:
+            tpp.unary("zero", rows, cols, dtype_in=dtype)(out=reshape(out, (rows, cols)))
+        return out
     if arrays.is_torch(like):
         import torch
         return torch.zeros(tuple(shape), dtype=getattr(torch, dtype.torch_name))
     return np.zeros(tuple(shape), dtype.numpy)
 
 
+_CONSTANTS = LRU(64, "device_constants")   # (Device, DType, torch?, value) -> 1-element array
+
+
+def constant(value: float, dtype: _dt.DType, like):
+    """A read-only-by-convention array of one element `value` on like's device (copied there
+    once per device, dtype and kind, then reused)."""
+    where, torch_kind = device_of(like), arrays.is_torch(like)
+    key = (where, dtype, torch_kind, value)
+    arr = _CONSTANTS.get(key)
+    if arr is None:
+        arr = _CONSTANTS[key] = registry.for_device(where).to_device(
+            np.full(1, value, dtype.numpy), where, torch_kind)
+    return arr
+
+
+def reshape(x, shape):
+    """x viewed with `shape` (its own reshape; a DeviceView for device data without one)."""
+    if hasattr(x, "reshape"):
+        return x.reshape(tuple(shape))
+    return DeviceView.of(arrays.as_array(x, "array")).reshape(shape)
+
+
 def contiguous(x):
-    """x itself when C-contiguous, else a C-contiguous copy (the nests take dense tensors)."""
+    """x itself when C-contiguous, else a C-contiguous copy (the nests take dense tensors);
+    on a device the copy is a TPP (2-D arrays with one unit stride): see _device_copy."""
+    if type(x) is np.ndarray:
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
     if arrays.is_torch(x):
-        return x if x.is_contiguous() else x.contiguous()
-    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        if x.is_contiguous():
+            return x
+        return x.contiguous() if x.is_cpu else _device_copy(x)
+    x = host(x, "array", device=True)       # other device data: a DeviceView
+    return x if x.is_contiguous() else _device_copy(x)
+
+
+def _device_copy(x):
+    """A C-contiguous device copy of a device array: a 2-D one whose rows (identity TPP) or
+    columns (transpose TPP of the transposed view) are unit-stride by a TPP; other torch
+    tensors by torch's .contiguous() (as on the host); else UnsupportedError."""
+    shape = tuple(x.shape)
+    strides = tuple(x.stride()) if arrays.is_torch(x) else x.strides
+    dt = dtype_of(x, "array")
+    if len(shape) == 2:
+        out = _device_empty(shape, dt, x)
+        rows, cols = shape
+        if strides[1] == 1:
+            tpp.unary("identity", rows, cols, dtype_in=dt)(x, out=out)
+            return out
+        if strides[0] == 1:
+            tpp.unary("transpose", cols, rows, dtype_in=dt)(x.T, out=out)
+            return out
+    if arrays.is_torch(x):
+        return x.contiguous()
+    raise UnsupportedError(f"{_operator()}: device data of shape {shape} and strides {strides} "
+                           f"(elements) must be C-contiguous (or 2-D with one unit stride)")
+
+
+def overlap(a, b) -> bool:
+    """Whether the memory two arrays (host or device, as the operators hold them) span
+    intersects."""
+    return arrays.overlap(arrays.as_array(a, "a"), arrays.as_array(b, "b"))
 
 
 def rows(x, k: int, name: str):

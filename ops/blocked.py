@@ -6,7 +6,9 @@ column_sums compile once per (op, N, dtypes), never per M. Rows go in blocks of 
 the rows past the last full block in pieces of PIECE rows and then single rows (`row_blocks`):
 three kernels cover any M, the choice among them made at run time. transpose compiles per
 (M, N): its output's row stride is M, and a kernel's leading dimensions are compile-time.
-Inputs and outputs are C-contiguous numpy arrays or torch CPU tensors.
+Inputs and outputs are C-contiguous numpy arrays or torch CPU tensors, or device arrays (torch
+CUDA tensors, cupy, anything with `__cuda_array_interface__`): the nests then run on their
+device (all arrays of a call on one device, else an ArgumentError).
 
     map_rows("gelu", [z], y)                  # y = gelu(z)
     map_rows("gelu_inv", [dy, z], dz)         # unary ops with a second input (backward)
@@ -179,12 +181,13 @@ def column_sums(x, out, **unknown):
     _host.reject_unknown(column_sums, unknown)
     m, n = _shape2(x, "x")
     arrays.check_output_tensor(out, "out")
-    shape = tuple(_host.host(out, "out").shape)
+    shape = tuple(_host.host(out, "out", device=True).shape)
     if shape != (n,):
         raise ArgumentError(f"out: expected shape {(n,)}, got {shape}")
     if n:
         dt = _dtype(x)
-        _colsum_nest(n, dt, _dtype(out))(_ones(dt), x, out, threads=_threads(m, n))
+        ones = _host.constant(1.0, dt, x) if _host.on_device(x) else _ones(dt)
+        _colsum_nest(n, dt, _dtype(out))(ones, x, out, threads=_threads(m, n))
     return out
 
 
@@ -196,8 +199,8 @@ def _output(out):
 
 
 def _shape2(x, name):
-    """x's (M, N) shape; ArgumentError if x is not a 2-D host array."""
-    shape = tuple(_host.host(x, name).shape)
+    """x's (M, N) shape; ArgumentError if x is not a 2-D array (host or device)."""
+    shape = tuple(_host.host(x, name, device=True).shape)
     if len(shape) != 2:
         raise ArgumentError(f"{name}: expected a 2-D array, got shape {shape}")
     return shape

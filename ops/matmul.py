@@ -7,6 +7,11 @@
 f32 in, f32 out; or bf16 in, f32 accumulation, bf16 (default) or f32 out. The output is
 `act(a @ b + bias)`, bias one row of N values of the output dtype.
 
+On a GPU: the same calls take device arrays (torch CUDA tensors, cupy, anything with
+`__cuda_array_interface__`) and return device arrays of the input's kind on its device
+(`_Plan.run_device`); the same nest runs there (its device code compiled once per device),
+the weight packed there (ops.packing). Operands on different devices: ArgumentError.
+
 The nest, for blocking (bm, bn, kc), runs over K chunks of kc (sequential, outermost), then the
 N blocks (c) and the row blocks collapsed and split across threads, then the rows inside a
 block (ops.blocked.row_blocks). Each step calls one BRGEMM of (rows x kc) @ (kc x bn) on the
@@ -158,13 +163,19 @@ def matmul(a, b, out=None, bias=None, activation=None, *, out_dtype=None, blocki
     mode is on: autograd would not see the write). Returns the output."""
     if unknown:
         _host.reject_unknown(matmul, unknown)
-    a = _host.host(a, "a")
+    a = _host.host(a, "a", device=True)
     if a.ndim != 2:
         raise ArgumentError(f"a: expected a 2-D (M, K) array, got shape {tuple(a.shape)}")
     packed = b if isinstance(b, PackedWeight) else pack_kn(b)
     a = _host.contiguous(a)
     plan = _plan(a, packed, out_dtype, bias is not None, activation, blocking, "a")
-    return plan.run(a, packed, out, bias, "a")
+    if _device_data(a):
+        return plan.run_device(a, packed, out, bias, ("a", "b"))
+    try:
+        return plan.run(a, packed, out, bias, "a")
+    except ArgumentError:
+        _host.same_device(a=a, b=packed.data, bias=bias, out=out)   # a mix, in these names
+        raise
 
 
 def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **unknown):
@@ -184,7 +195,7 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **un
             y = plan.thin_call(x, w, b)
             if y is not None:
                 return y
-    x = _host.host(x, "x")
+    x = _host.host(x, "x", device=True)
     packed = w if isinstance(w, PackedWeight) else pack_nk(w)
     if len(x.shape) == 2 and x.shape[1] == packed.k:    # the common case: no reshape
         x2 = _host.contiguous(x)
@@ -192,7 +203,14 @@ def linear(x, w, b=None, activation=None, *, out_dtype=None, blocking=None, **un
     else:
         x2, lead = _host.rows(x, packed.k, "x")
     plan = _plan(x2, packed, out_dtype, b is not None, activation, blocking, "x")
-    y = plan.run(x2, packed, None, b, "x")
+    if _device_data(x2):
+        y = plan.run_device(x2, packed, None, b, ("x", "w"))
+        return y if lead is None else _host.reshape(y, (*lead, packed.n))
+    try:
+        y = plan.run(x2, packed, None, b, "x")
+    except ArgumentError:
+        _host.same_device(x=x2, w=packed.data, b=b)     # a mix, in these names
+        raise
     return y if lead is None else y.reshape(*lead, packed.n)
 
 
@@ -200,8 +218,9 @@ def linear_keep(x, packed, bias, activation):
     """(z, act(z)) for z = x @ packed + bias, x (M, K) a 2-D array of the weight's dtype: both
     in one nest (gemm_nest's keep), the activation applied to each output tile while it is in
     cache (a training forward whose backward reads z: one pass less over z than linear then
-    ops.blocked.map_rows). Validated as ops.linear validates its calls; activation not None."""
-    x = _host.contiguous(_host.host(x, "x"))
+    ops.blocked.map_rows). Validated as ops.linear validates its calls; activation not None.
+    On x's device (the weight and bias there too: ArgumentError naming them otherwise)."""
+    x = _host.contiguous(_host.host(x, "x", device=True))
     if x.ndim != 2:
         raise ArgumentError(f"x: expected a 2-D (M, K) array, got shape {tuple(x.shape)}")
     # the plain linear's plan validates x, the weight and the bias (and is what a call
@@ -211,7 +230,9 @@ def linear_keep(x, packed, bias, activation):
         raise ArgumentError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
     m, n, k = x.shape[0], packed.n, packed.k
     if bias is not None and not _dense(bias):
-        bias = _host.contiguous(_host.host(bias, "bias"))
+        bias = _host.contiguous(_host.host(bias, "bias", device=True))
+    if _device_data(x):
+        _host.same_device(x=x, weight=packed.data, bias=bias)
     dt = plan.dt_out
     bl = _check_blocking(choose_blocking(k, dt), k, dt, dt == _dt.BF16)
     nest = gemm_nest(n, k, packed.bn, packed.dtype, dt, bias is not None, activation, bl,
@@ -327,7 +348,8 @@ class _Plan:
         (M, K) of the plan's dtype and K, packed of the plan's weight geometry."""
         m = a.shape[0]
         if bias is not None and not _dense(bias):
-            bias = _host.contiguous(_host.host(bias, "bias"))
+            bias = _host.contiguous(_host.host(bias, "bias", device=True))
+            _host.same_device(**{name: a, "bias": bias})     # a device bias is a mix
         if out is None:
             if type(a) is _NDARRAY:
                 out = np.empty((m, self.n), self.np_out)
@@ -339,15 +361,48 @@ class _Plan:
                 # sizes as separate arguments: torch parses them ~0.5 us faster than a tuple
                 out = _TORCH_EMPTY[0](m, self.n, dtype=tdt)
         else:
-            out = _host.host(out, "out")
-            arrays.check_output_tensor(out, "out")
-            # the nest reads its inputs while it writes out: shared memory gives wrong results
-            if any(arrays.overlap(out, t) for t in (a, packed.data, bias) if t is not None):
-                raise ArgumentError(f"out must not overlap {name}, the weight or the bias")
+            out = _checked_out(out, a, (packed.data, bias), name)
         threads = 1 if m < self.serial_rows else None
         self.nest.call((a, packed.data, out) if bias is None else (a, packed.data, out, bias),
                        threads)
         return out
+
+    def run_device(self, a, packed, out, bias, names):
+        """`run` for a on a device: the weight, bias and out (None: a new array of a's kind
+        from the device's backend) on a's device, else an ArgumentError naming them (names:
+        the caller's for a and the weight); the nest runs there (tpp.runtime.loops.CompiledNest
+        dispatches by device). Returns out as given, or the new array."""
+        name = names[0]
+        _host.same_device(**{name: a, names[1]: packed.data, "bias": bias, "out": out})
+        if bias is not None:
+            bias = _host.contiguous(_host.host(bias, "bias", device=True))
+        if out is None:
+            result = view = _host.empty((a.shape[0], self.n), self.dt_out, a)
+        else:
+            result, view = out, _checked_out(out, a, (packed.data, bias), name)
+        self.nest.call((a, packed.data, view) if bias is None else
+                       (a, packed.data, view, bias))
+        return result
+
+
+def _checked_out(out, a, others, name):
+    """A given output (host or device) after the checks the nests do not make: on a's device
+    (ArgumentError naming a mix), not a torch tensor autograd would miss a write into, and no
+    overlap with a or the other inputs (the nest reads them while it writes out: shared
+    memory gives wrong results)."""
+    out = _host.host(out, "out", device=True)
+    _host.same_device(**{name: a, "out": out})
+    arrays.check_output_tensor(out, "out")
+    if any(_host.overlap(out, t) for t in (a, *others) if t is not None):
+        raise ArgumentError(f"out must not overlap {name}, the weight or the bias")
+    return out
+
+
+def _device_data(a) -> bool:
+    """Whether a, an array _host.host(..., device=True) returned, is device data: _host's
+    on_device with its host answers first (numpy, a CPU tensor of a type seen before)."""
+    t = type(a)
+    return not (t is _NDARRAY or (t in _TORCH_TYPES and a.is_cpu)) and _host.on_device(a)
 
 
 def _dense(t) -> bool:

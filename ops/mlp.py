@@ -13,7 +13,9 @@ Backward, with dz = act_inv(dy, z) (the activation's backward TPP):
     db = dz.sum(axis=0)      a BRGEMM nest of a ones row by dz (ops.blocked.column_sums)
 x (M, K) and w (N, K) are f32, or bf16 (f32 accumulation, bf16 results, as torch does). Every
 nest takes M at call time: a layer compiles once per (weight shape, dtype, activation), and a
-new M (batch, sequence length) compiles nothing.
+new M (batch, sequence length) compiles nothing. All of it runs on a GPU too, for device
+arrays (ops.matmul's device path; results of the inputs' kind on their device); operands on
+different devices are an ArgumentError.
 """
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ class Saved:
 
 def _check(x, w, b, activation, packed):
     """(x as (M, K) rows, x's leading dims, w contiguous, b) after validating a layer call."""
-    x = _host.host(x, "x")
-    w = _host.host(w, "weight")
+    x = _host.host(x, "x", device=True)
+    w = _host.host(w, "weight", device=True)
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if len(w.shape) != 2:
@@ -61,9 +63,11 @@ def _check(x, w, b, activation, packed):
     n, k = w.shape
     x2, lead = _host.rows(x, k, "x")
     if b is not None:
-        b = _host.host(b, "bias")
+        b = _host.host(b, "bias", device=True)
         if tuple(b.shape) != (n,):
             raise ArgumentError(f"bias: expected shape ({n},), got {tuple(b.shape)}")
+    if _host.on_device(x) or _host.on_device(w) or (b is not None and _host.on_device(b)):
+        _host.same_device(x=x, weight=w, bias=b)
     if packed is not None:
         check_packed(packed, w)
     return x2, lead, _host.contiguous(w), b
@@ -101,7 +105,7 @@ def mlp(x, w, b=None, activation=None, *, packed: PackedWeight | None = None, **
     _host.reject_unknown(mlp, unknown)
     x2, lead, w, b = _check(x, w, b, activation, packed)
     y = linear(x2, packed if packed is not None else pack_nk(w), b, activation)
-    return y.reshape(*lead, w.shape[0])
+    return _host.reshape(y, (*lead, w.shape[0]))
 
 
 def mlp_forward(x, w, b=None, activation=None, *, packed: PackedWeight | None = None,
@@ -128,7 +132,7 @@ def forward_checked(x2, lead, w, b, activation, pw):
         z, y = linear_keep(x2, pw, b, activation)
         keep = z if _SECOND[activation] == "z" else y
     if len(lead) != 1:
-        y = y.reshape(*lead, n)
+        y = _host.reshape(y, (*lead, n))
     return y, Saved(x2, w, keep, activation, b is not None, lead)
 
 
@@ -144,7 +148,9 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
     m, k = x.shape
     n = w.shape[0]
     dt = _host.dtype_of(x, "x")
-    dy = _host.host(dy, "dy")
+    dy = _host.host(dy, "dy", device=True)
+    if _host.on_device(dy) or _host.on_device(x):
+        _host.same_device(dy=dy, x=x)
     dy2, _ = _host.rows(dy, n, "dy")
     if dy2.shape[0] != m:
         raise ArgumentError(f"dy: {dy2.shape[0]} rows, the forward had {m}")
@@ -157,7 +163,7 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
         blocked.map_rows(_BACKWARD[saved.activation], [dy2, saved.z], dz)
     dx = dw = db = None
     if need_x:
-        dx = matmul(dz, pack_kn(w)).reshape(*saved.lead, k)
+        dx = _host.reshape(matmul(dz, pack_kn(w)), (*saved.lead, k))
     if need_w:
         dw = weight_grad(dz, x)
     if need_b and saved.bias:
@@ -166,8 +172,8 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
             db = sums
         else:
             db = _host.empty((1, n), dt, dz)
-            blocked.map_rows("identity", [sums.reshape(1, n)], db)
-            db = db.reshape(n)
+            blocked.map_rows("identity", [_host.reshape(sums, (1, n))], db)
+            db = _host.reshape(db, (n,))
     return dx, dw, db
 
 

@@ -5,24 +5,29 @@ A (K, N) operand B is stored as N-blocks of `bn` columns, each block a dense pan
     f32    (Nb, K, bn)               panel[c][k][j]        = B[k, c*bn + j]
     bf16   (Nb, ceil(K/2), 2*bn)     VNNI-2 pairs: [c][p][2j+t] = B[2p+t, c*bn + j]
 
-with Nb = ceil(N / bn) and the columns past N zero. Packing runs the identity, transpose and
-vnni2 TPPs block by block; a PackedWeight is then reused by every call (nothing is repacked).
+with Nb = ceil(N / bn) and the columns past N zero. Packing is one loop nest of identity,
+transpose, vnni2 and zero TPPs (one panel per parallel iteration), run where the weight lives:
+on the host, or on a GPU for device weights (the packed data is then a device array of the
+weight's kind); a PackedWeight is then reused by every call (nothing is repacked).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import tpp
 from tpp.core import checks
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import also_clear
 
 from . import _host
+from .blocked import split
 
 
 @dataclass(frozen=True, eq=False)
 class PackedWeight:
-    data: object        # numpy array or torch tensor, layout above
+    data: object        # numpy array, torch tensor or device array (ops._host), layout above
     k: int
     n: int
     bn: int
@@ -34,6 +39,11 @@ class PackedWeight:
     @property
     def vnni(self) -> bool:
         return self.dtype == _dt.BF16
+
+    @property
+    def device(self):
+        """The tpp.runtime.device.Device where the packed data lives."""
+        return _host.device_of(self.data)
 
     @property
     def blocks(self) -> int:
@@ -57,56 +67,82 @@ def _check_bn(bn, n):
 
 
 def pack_kn(b, *, bn: int | None = None, **unknown) -> PackedWeight:
-    """Pack B given as a (K, N) array (the right operand of x @ B)."""
+    """Pack B given as a (K, N) array (the right operand of x @ B), on B's device."""
     _host.reject_unknown(pack_kn, unknown)
-    b = _host.host(b, "b")
+    b = _host.host(b, "b", device=True)
     if b.ndim != 2 or 0 in b.shape:
         raise ArgumentError(f"b: expected a non-empty 2-D (K, N) array, got shape "
                             f"{tuple(b.shape)}")
     b = _host.contiguous(b)     # a transposed view (w.T) too: the TPPs read unit-stride rows
-    dt = _host.dtype_of(b, "b")
     k, n = b.shape
-    bn = _check_bn(default_bn(n) if bn is None else bn, n)
-    out = _alloc(k, n, bn, dt, b)
-    for c in range(out.shape[0]):
-        cols = min(bn, n - c * bn)
-        src = b[:, c * bn:c * bn + cols]
-        if dt == _dt.BF16:
-            tpp.unary("vnni2", k, cols, dtype_in="bf16")(src, out=out[c][:, :2 * cols])
-        else:
-            tpp.unary("identity", k, cols, dtype_in=dt)(src, out=out[c][:, :cols])
-    return PackedWeight(out, k, n, bn, dt)
+    return _pack(b, k, n, bn, _host.dtype_of(b, "b"), "kn")
 
 
 def pack_nk(w, *, bn: int | None = None, **unknown) -> PackedWeight:
-    """Pack B = w.T given w as an (N, K) array (torch.nn.Linear's weight layout)."""
+    """Pack B = w.T given w as an (N, K) array (torch.nn.Linear's weight layout), on w's
+    device."""
     _host.reject_unknown(pack_nk, unknown)
-    w = _host.host(w, "weight")
+    w = _host.host(w, "weight", device=True)
     if w.ndim != 2 or 0 in w.shape:
         raise ArgumentError(f"weight: expected a non-empty 2-D (N, K) array, got shape "
                             f"{tuple(w.shape)}")
     w = _host.contiguous(w)
-    dt = _host.dtype_of(w, "weight")
     n, k = w.shape
+    return _pack(w, k, n, bn, _host.dtype_of(w, "weight"), "nk")
+
+
+def _pack(src, k, n, bn, dt, source) -> PackedWeight:
+    """The PackedWeight of a C-contiguous (K, N) ("kn") or (N, K) ("nk") array, by
+    _pack_nest on the array's device (the nest writes every element, padding included)."""
+    if dt not in (_dt.F32, _dt.BF16):
+        raise ArgumentError(f"weights must be f32 or bf16, got {dt}")
     bn = _check_bn(default_bn(n) if bn is None else bn, n)
-    out = _alloc(k, n, bn, dt, w)
-    scratch = _host.empty((k, bn), dt, w) if dt == _dt.BF16 else None
-    for c in range(out.shape[0]):
-        rows = min(bn, n - c * bn)
-        src = w[c * bn:c * bn + rows, :]
-        if dt == _dt.BF16:
-            tpp.unary("transpose", rows, k, dtype_in="bf16")(src, out=scratch[:, :rows])
-            tpp.unary("vnni2", k, rows, dtype_in="bf16")(scratch[:, :rows],
-                                                         out=out[c][:, :2 * rows])
-        else:
-            tpp.unary("transpose", rows, k, dtype_in=dt)(src, out=out[c][:, :rows])
+    blocks = -(-n // bn)
+    shape = (blocks, (k + 1) // 2, 2 * bn) if dt == _dt.BF16 else (blocks, k, bn)
+    out = _host.empty(shape, dt, src)
+    args = (src, out)
+    if dt == _dt.BF16 and source == "nk":
+        args += (_host.empty((blocks, k, bn), dt, src),)
+    threads = 1 if k * n < _SERIAL_ELEMENTS else None
+    _pack_nest(k, n, bn, dt, source).call(args, threads)
     return PackedWeight(out, k, n, bn, dt)
 
 
-def _alloc(k, n, bn, dt, like):
-    blocks = -(-n // bn)
-    if dt == _dt.BF16:
-        return _host.zeros((blocks, (k + 1) // 2, 2 * bn), dt, like)
-    if dt != _dt.F32:
-        raise ArgumentError(f"weights must be f32 or bf16, got {dt}")
-    return _host.zeros((blocks, k, bn), dt, like)
+_SERIAL_ELEMENTS = 1 << 16      # smaller weights are packed on one thread
+
+
+@functools.lru_cache(maxsize=256)
+def _pack_nest(k, n, bn, dt, source):
+    """The nest packing a (K, N) "kn" or (N, K) "nk" source into `out` (the layout above),
+    one panel per iteration of its parallel loop over the N blocks: identity (f32 "kn"),
+    transpose (f32 "nk"), vnni2 (bf16 "kn", which zeroes the pad row of an odd K) or
+    transpose into a (blocks, K, bn) scratch tensor and vnni2 from it (bf16 "nk"); the
+    narrower last panel is zeroed first (its columns past N)."""
+    vnni = dt == _dt.BF16
+    cases, blocks = split(n, bn)
+    nest = tpp.LoopNest("A", a=blocks)
+    (c,) = nest.vars
+    src = nest.tensor("src", (k, n) if source == "kn" else (n, k), dt)
+    out = nest.tensor("out", (blocks, (k + 1) // 2, 2 * bn) if vnni else (blocks, k, bn), dt)
+    scratch = nest.tensor("scratch", (blocks, k, bn), dt) if vnni and source == "nk" else None
+    rows_out, width = ((k + 1) // 2, 2 * bn) if vnni else (k, bn)
+    for cols, guard in cases:
+        when = guard(c)
+        if cols < bn:
+            nest.call(tpp.make_unary("zero", rows_out, width, dtype_in=dt,
+                                     dtype_out=dt), out[c], when=when)
+        if source == "kn":
+            op, ldo = ("vnni2", 2 * bn) if vnni else ("identity", bn)
+            nest.call(tpp.make_unary(op, k, cols, ldi=n, ldo=ldo, dtype_in=dt, dtype_out=dt),
+                      src[0, c * bn], out[c], when=when)
+            continue
+        transpose = tpp.make_unary("transpose", cols, k, ldi=k, ldo=bn, dtype_in=dt,
+                                   dtype_out=dt)
+        nest.call(transpose, src[c * bn, 0], scratch[c] if vnni else out[c], when=when)
+        if vnni:
+            nest.call(tpp.make_unary("vnni2", k, cols, ldi=bn, ldo=2 * bn, dtype_in=dt,
+                                     dtype_out=dt), scratch[c], out[c], when=when)
+    return nest.compile()
+
+
+also_clear(_pack_nest.cache_clear)   # tpp.clear_caches() empties it too

@@ -18,9 +18,13 @@ that must itself be differentiable (torch.autograd.grad(..., create_graph=True):
 penalties, Hessian-vector products), where the gradients are recomputed in torch ops so that
 autograd can differentiate them again, to any order.
 
-Tensors must be on the CPU, f32, or bf16 (f32 accumulation, bf16 results, like torch); x,
-weight and bias of one dtype. Anything else raises a tpp.TPPError subclass: UnsupportedError
-for devices and dtypes, ArgumentError for shapes, sizes and mismatched dtypes.
+Tensors are f32, or bf16 (f32 accumulation, bf16 results, like torch); x, weight and bias of
+one dtype, on one device: the CPU, or a GPU, where the same operators run their nests through
+the device's backend (tpp_cuda for CUDA tensors; `module.to("cuda")` works as for torch's
+modules: the weight is repacked on its new device). Anything else raises a tpp.TPPError
+subclass: UnsupportedError for dtypes and for devices no backend can run (a CUDA tensor
+without a usable GPU, cupy or NVRTC: the CUDA backend says which), ArgumentError for shapes,
+sizes, mismatched dtypes and tensors on different devices.
 
 Linear has torch.nn.Linear's parameters (`weight` (out, in), `bias` (out,)), initialisation
 and state_dict keys, so state dicts load both ways. It packs its weight into the GEMM layout
@@ -62,11 +66,10 @@ _weight_key = _host.weight_key      # (storage, version counter, dtype, shape, s
 
 
 def _check_tensor(t, name):
+    """A torch tensor of a supported dtype, on any device (the backend of a device that cannot
+    run it raises UnsupportedError when the nests compile or allocate)."""
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:            # (t.device.type costs ~0.4 us per call)
-        raise UnsupportedError(f"{name}: tensor on {t.device}; ops.torch runs on CPU tensors "
-                               f"only")
     if t.dtype not in _DTYPES:
         raise UnsupportedError(f"{name}: dtype {t.dtype} is not supported; ops.torch supports "
                                f"torch.float32 and torch.bfloat16")
@@ -88,6 +91,8 @@ def _check(x, weight, bias, activation, packed=None):
     if bias is not None:
         _check_tensor(bias, "bias")
     _check_activation(activation)
+    if not (x.is_cpu and weight.is_cpu and (bias is None or bias.is_cpu)):
+        _host.same_device(input=x, weight=weight, bias=bias)
     if weight.dim() != 2:
         raise ArgumentError(f"weight: expected (out_features, in_features), got shape "
                             f"{tuple(weight.shape)}")
@@ -303,8 +308,11 @@ class Linear(torch.nn.Module):
         return self._packed_of(self.weight)
 
     def _packed_of(self, w):
-        """packed_weight() for w, the layer's weight (read once by the caller)."""
-        key = _weight_key(w)
+        """packed_weight() for w, the layer's weight (read once by the caller). The key of a
+        weight off the CPU names its device too, and never equals a CPU weight's key (so
+        _fast_packed, which takes CPU calls only, never matches it): a parameter moved by
+        module.to(...) is packed again, on its new device."""
+        key = _weight_key(w) if w.is_cpu else (w.device, _weight_key(w))
         cache = self._packed_cache
         if cache is not None and cache[0] == key:
             return cache[2].packed
