@@ -24,10 +24,11 @@ from .norms import (bias_act_dropout, bias_act_dropout_backward, layer_norm,
                     layer_norm_backward, layer_norm_forward, rms_norm, rms_norm_backward,
                     rms_norm_forward, softmax, softmax_backward)
 from .packing import PackedWeight, pack_kn, pack_nk
+from .autotune import tune
 
 __all__ = ["matmul", "linear", "Blocking", "choose_blocking", "PackedWeight", "pack_kn",
            "pack_nk", "ACTIVATIONS", "mlp", "mlp_forward", "mlp_backward", "Saved",
            "layer_norm", "layer_norm_forward", "layer_norm_backward", "rms_norm",
            "rms_norm_forward", "rms_norm_backward", "softmax", "softmax_backward",
            "bias_act_dropout", "bias_act_dropout_backward", "attention", "attention_forward",
-           "attention_backward", "conv2d", "conv2d_backward"]
+           "attention_backward", "conv2d", "conv2d_backward", "tune"]

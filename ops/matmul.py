@@ -28,6 +28,8 @@ bn = the weight's panel width (64), kc = K up to 8192, else 4096-element chunks;
 keeps K whole (a bf16 C cannot carry partial sums). None of it depends on M. Problems under
 4 MFLOP whose weight is under 1 MiB run on one thread (decided per call, `serial`): the team's
 wake-up would cost more than it saves; a larger weight is streamed by every core even at M = 1.
+A winner stored by `ops.tune` for the problem on this CPU replaces the heuristic (its bm, kc,
+band order "CB"/"BC" and thread rule; its panel width when the weight was packed with it).
 
 Nests are compiled per (weight shape, dtypes, bias, activation, blocking), plans (`_Plan`: the
 nest, output dtype and thread rule, validated once) kept by each PackedWeight for the calls it
@@ -50,7 +52,7 @@ from tpp.core.brgemm_spec import ACTIVATIONS   # the BRGEMM epilogues (the op ta
 from tpp.core.errors import ArgumentError
 from tpp.runtime.lru import LRU, also_clear
 
-from . import _host
+from . import _host, autotune
 from .blocked import row_blocks, split
 from .packing import PackedWeight, pack_kn, pack_nk
 
@@ -66,10 +68,15 @@ _WHOLE_K = 8192
 _KC = 4096
 
 
+_ORDERS = ("CB", "BC")
+
+
 @dataclass(frozen=True)
 class Blocking:
-    bm: int      # rows of x per BRGEMM
-    kc: int      # K elements per BRGEMM (a chunk)
+    bm: int                    # rows of x per BRGEMM
+    kc: int                    # K elements per BRGEMM (a chunk)
+    order: str = "CB"          # the parallel band: "CB" column panels outer, "BC" rows outer
+    threads: int | None = None  # 1: always one thread; None: the thread rule (serial)
 
 
 def choose_blocking(k: int, dtype_out: _dt.DType) -> Blocking:
@@ -86,13 +93,19 @@ def _as_blocking(bl):
         return None
     if not isinstance(bl, Blocking):
         raise ArgumentError(f"blocking must be an ops.Blocking, got {bl!r}")
-    return Blocking(_positive(bl.bm, "blocking.bm"), _positive(bl.kc, "blocking.kc"))
+    if bl.order not in _ORDERS:
+        raise ArgumentError(f"blocking.order must be one of {_ORDERS}, got {bl.order!r}")
+    if bl.threads is not None and (isinstance(bl.threads, bool) or bl.threads != 1):
+        raise ArgumentError(f"blocking.threads must be None (the thread rule) or 1, got "
+                            f"{bl.threads!r}")
+    return Blocking(_positive(bl.bm, "blocking.bm"), _positive(bl.kc, "blocking.kc"),
+                    bl.order, bl.threads)
 
 
 def _check_blocking(bl, k, dtype_out, vnni):
     """bl (from _as_blocking or choose_blocking) with kc clamped to K, or an ArgumentError
     if the output dtype or VNNI pairs forbid its K chunks."""
-    bl = Blocking(bl.bm, min(bl.kc, k))
+    bl = Blocking(bl.bm, min(bl.kc, k), bl.order, bl.threads)
     if bl.kc < k and dtype_out == _dt.BF16:
         raise ArgumentError("blocking.kc < K needs an f32 output (partial sums would be "
                             "rounded to bf16)")
@@ -123,7 +136,7 @@ def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking, keep=F
     chunks = -(-k // kc)
     k_last = k - (chunks - 1) * kc
     vnni = dtype == _dt.BF16
-    nest = tpp.LoopNest("aCB" + "b" * (levels - 1), a=chunks, b=rows_loop, c=blocks_n)
+    nest = tpp.LoopNest("a" + bl.order + "b" * (levels - 1), a=chunks, b=rows_loop, c=blocks_n)
     a, r, c = nest.vars
     x = nest.tensor("x", (m, k), dtype)
     w = nest.tensor("w", (blocks_n, (k + 1) // 2, 2 * bn) if vnni else (blocks_n, k, bn), dtype)
@@ -262,12 +275,14 @@ class _Plan:
     __slots__ = ("nest", "dt_out", "n", "k", "serial_rows", "np_out", "direct", "np_in",
                  "w_shape", "torch_out")
 
-    def __init__(self, nest, dt_out, n, k, weight_bytes, single=False):
+    def __init__(self, nest, dt_out, n, k, weight_bytes, single=False, serial_always=False):
         self.nest, self.dt_out, self.n, self.k, self.np_out = nest, dt_out, n, k, dt_out.numpy
         self.torch_out = None
         # the rows below which a call runs on one thread (serial() solved for M)
         self.serial_rows = 0 if not serial(0, weight_bytes) else \
             int(-(-_SERIAL_FLOPS // (2 * n * k)))
+        if serial_always:         # a tuned winner found the team slower at every M it saw
+            self.serial_rows = 1 << 62
         self.direct = self.np_in = self.w_shape = None
         if single and _DATA_FIELD is not None:
             self._direct_kernels()
@@ -442,6 +457,23 @@ def _forget_plans():
 also_clear(_forget_plans)
 
 
+def _default_blocking(packed, k, dt, dt_out, has_bias, activation) -> Blocking:
+    """The blocking of a call without blocking=: a winner ops.tune stored for this problem on
+    this CPU (when the weight is packed with its panel width), else choose_blocking's."""
+    tuned = autotune.lookup(packed.n, k, dt, dt_out, has_bias, activation)
+    if tuned is not None and tuned.bn == packed.bn:
+        return tuned.blocking()
+    return choose_blocking(k, dt_out)
+
+
+def forget_tuned() -> None:
+    """Forget the plans made so far (ops.tune calls it after storing a winner, so that the
+    next call of that problem takes it) and the memo of stored winners."""
+    autotune.forget()
+    _PLANS.clear()
+    _forget_plans()
+
+
 def _plan(a, packed, out_dtype, has_bias, activation, blocking, name) -> _Plan:
     """The _Plan of a call on a (M, K) array: from the weight's own plans (keyed by what the
     call may vary: a's native dtype, out_dtype, bias or not, activation), else the process-
@@ -488,11 +520,12 @@ def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> 
     if dt_out not in (_dt.F32, _dt.BF16) or (dt == _dt.F32 and dt_out != _dt.F32):
         raise ArgumentError(f"out_dtype {dt_out} with {dt} inputs: f32 gives f32, bf16 gives "
                             f"bf16 or f32")
-    bl = choose_blocking(k, dt_out) if blocking is None else blocking
+    bl = _default_blocking(packed, k, dt, dt_out, has_bias, activation) if blocking is None \
+        else blocking
     bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
     nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
     plan = _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize,
-                 single=bl.kc >= k and packed.n <= packed.bn)
+                 single=bl.kc >= k and packed.n <= packed.bn, serial_always=bl.threads == 1)
     if key is not None:
         _PLANS[key] = plan
     return plan

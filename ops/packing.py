@@ -21,7 +21,7 @@ from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError
 from tpp.runtime.lru import also_clear
 
-from . import _host
+from . import _host, autotune
 from .blocked import split
 
 
@@ -96,7 +96,9 @@ def _pack(src, k, n, bn, dt, source) -> PackedWeight:
     _pack_nest on the array's device (the nest writes every element, padding included)."""
     if dt not in (_dt.F32, _dt.BF16):
         raise ArgumentError(f"weights must be f32 or bf16, got {dt}")
-    bn = _check_bn(default_bn(n) if bn is None else bn, n)
+    if bn is None:      # a width ops.tune found faster for this weight shape, else the default
+        bn = autotune.lookup_bn(n, k, dt) or default_bn(n)
+    bn = _check_bn(bn, n)
     blocks = -(-n // bn)
     shape = (blocks, (k + 1) // 2, 2 * bn) if dt == _dt.BF16 else (blocks, k, bn)
     out = _host.empty(shape, dt, src)

@@ -27,7 +27,7 @@ from ..timing import Settings
 
 # modules of this package that define suites, imported by load(); order is the listing order
 BUILTIN = ("peak", "eltwise", "overhead", "jit", "brgemm", "gemm", "mlp", "norm", "attention",
-           "bert_linear", "model", "conv", "cuda")
+           "bert_linear", "model", "conv", "tune", "cuda")
 BACKENDS = ("cpu", "cuda")
 
 # the dtypes the suites' cases are measured in (a record's `dtype`); what --dtype accepts

@@ -1,0 +1,269 @@
+"""Autotuning of ops.matmul / ops.linear (`ops.tune`, defined here): search the blocking, measure, keep the winner on disk.
+
+    result = ops.tune("matmul", 512, 768, 3072)            # M, N, K; f32; <= 20 s by default
+    result.best, result.speedup                            # the winner and its gain over the
+                                                           # heuristic, measured in this run
+    ops.matmul(a, ops.pack_kn(b))                          # now runs the stored winner
+    tpp-bench tune --shape 512x768x3072                    # the same from the command line
+
+Opt in: nothing is tuned unless `tune` is called; operators only *read* stored winners. What
+is searched, for one (N, K, dtypes) problem at the M given:
+  bm      rows per BRGEMM (the register-blocked C tile's row count times a few)
+  kc      K elements per BRGEMM call (whole K, or chunks; chunks need an f32 output)
+  bn      the packed weight's panel width (ops.pack_kn(b, bn=...))
+  order   the parallel band's order: "CB" (column panels outer: a thread walks one panel of
+          the weight over many row blocks) or "BC" (row blocks outer: a block of x stays in
+          cache while the thread walks the panels)
+  threads one thread or the whole team (a small problem can lose to the team's wake-up)
+A cost model ranks the candidates first and prunes those whose working set cannot fit (an x
+block and a weight panel must fit in L2 together: bm*kc + kc*bn elements); candidates are then
+measured in that order (median of a few calls each, interleaved with the heuristic's blocking
+so load changes hit both) until the time budget runs out, so a short budget still measures the
+most promising ones. The winner is kept only if it beats the heuristic's blocking by more
+than the noise margin (`margin`, default 3%).
+
+Winners are stored in the disk cache (tpp.runtime.cache, `TPP_CACHE_DIR`) under a key of
+(N, K, input and output dtype, bias, activation, the CPU's fingerprint; matmul and linear run
+one nest, so they share it): another CPU never reads them. One winner serves every M of that
+weight (the compiled nest runs any M): tune at the M you run most. The winner's panel width
+is stored apart under (N, K, dtype), for ops.pack_kn / pack_nk to pack new weights with it;
+a weight packed with another bn keeps the heuristic. `lookup(...)` and `lookup_bn(...)` read
+them, memoized per process; `forget()` drops the memo (the disk entries stay: delete
+TPP_CACHE_DIR to start over).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+import tpp
+from tpp.core import dtypes as _dt
+from tpp.core.errors import ArgumentError
+from tpp.runtime import cache, registry
+from tpp.runtime.device import CPU
+
+_FORMAT = "ops.tune/1"
+_L2_ELEMENTS = (512 * 1024) // 4     # what the model assumes fits in L2 with room to spare
+_OPS = ("matmul", "linear")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    bm: int
+    kc: int
+    bn: int
+    order: str = "CB"
+    threads: int | None = None     # None: the team (tpp.get_num_threads())
+
+    def blocking(self):
+        from .matmul import Blocking
+        return Blocking(self.bm, self.kc, self.order, self.threads)
+
+
+@dataclass
+class TuneResult:
+    op: str
+    shape: tuple                   # (M, N, K)
+    dtype: str
+    heuristic: Candidate
+    best: Candidate
+    seconds: dict = field(default_factory=dict)   # Candidate -> median seconds per call
+    stored: bool = False
+
+    @property
+    def speedup(self) -> float:
+        """The heuristic's time over the winner's (>= 1)."""
+        return self.seconds[self.heuristic] / self.seconds[self.best]
+
+    def gflops(self, cand: Candidate) -> float:
+        m, n, k = self.shape
+        return 2 * m * n * k / self.seconds[cand] / 1e9
+
+
+def _fingerprint() -> str:
+    return registry.for_device(CPU).cache_key_parts()[1]     # the CPU target's key
+
+
+def _key(n, k, dtype, out_dtype, bias, activation) -> str:
+    dtype, out_dtype = _dt.lookup(dtype).name, _dt.lookup(out_dtype).name
+    return (f"{_FORMAT}|gemm|n={n}|k={k}|{dtype}->{out_dtype}|bias={bool(bias)}|"
+            f"act={activation}|{_fingerprint()}")
+
+
+def _bn_key(n, k, dtype) -> str:
+    return f"{_FORMAT}|bn|n={n}|k={k}|{_dt.lookup(dtype).name}|{_fingerprint()}"
+
+
+def _disk() -> cache.DiskCache:
+    return cache.DiskCache(cache.default_directory())
+
+
+@functools.lru_cache(maxsize=1024)
+def _stored(key: str):
+    """The JSON value stored under key, or None (none, or not ours: as if none)."""
+    payload = _disk().load(key)
+    if payload is None:
+        return None
+    try:
+        return json.loads(payload.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def lookup(n: int, k: int, dtype, out_dtype, bias: bool, activation):
+    """The stored winner's Candidate for this problem on this CPU, or None."""
+    value = _stored(_key(n, k, dtype, out_dtype, bias, activation))
+    try:
+        return None if value is None else Candidate(**value)
+    except TypeError:
+        return None
+
+
+def lookup_bn(n: int, k: int, dtype):
+    """The panel width a stored winner packs (N, K) weights of this dtype with, or None."""
+    value = _stored(_bn_key(n, k, dtype))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
+
+
+def forget() -> None:
+    """Drop this process' memo of stored winners (the disk entries stay)."""
+    _stored.cache_clear()
+
+
+def heuristic(k: int, n: int, out_dtype) -> Candidate:
+    """The blocking ops.matmul chooses without a stored winner."""
+    from .matmul import choose_blocking
+    from .packing import default_bn
+    bl = choose_blocking(k, out_dtype)
+    return Candidate(bl.bm, min(bl.kc, k), default_bn(n))
+
+
+def candidates(m: int, n: int, k: int, dtype, out_dtype) -> list:
+    """Every candidate of the search space that is valid for this problem, ranked by the cost
+    model (best first); the heuristic's first of all."""
+    base = heuristic(k, n, out_dtype)
+    vnni = dtype == _dt.BF16
+    kcs = {k} if out_dtype == _dt.BF16 else {k} | {c for c in (512, 1024, 2048, 4096) if c < k}
+    if vnni:
+        kcs = {c for c in kcs if c == k or c % 2 == 0}
+    found = set()
+    for bm in (32, 64, 96, 128):
+        for kc in kcs:
+            for bn in (32, 64, 128):
+                if bn > max(32, n) or bm > max(32, m):
+                    continue
+                for order in ("CB", "BC"):
+                    for threads in (None, 1):
+                        found.add(Candidate(bm, kc, bn, order, threads))
+    found.discard(base)
+    return [base] + sorted(found, key=lambda c: _model(c, m, n, k))
+
+
+def _model(c: Candidate, m: int, n: int, k: int) -> float:
+    """Estimated relative cost (lower is better): a penalty when the x block and the weight
+    panel overflow L2, the C tile reloads per K chunk, the partial row and column blocks'
+    wasted work, and the team's split of the band."""
+    footprint = c.bm * c.kc + c.kc * c.bn
+    spill = max(1.0, footprint / _L2_ELEMENTS) ** 2
+    chunks = -(-k // c.kc)
+    reload = 1 + 0.03 * (chunks - 1)
+    rows = -(-m // c.bm) * c.bm / m
+    cols = -(-n // c.bn) * c.bn / n
+    team = registry.for_device(CPU).num_threads()
+    work = -(-m // c.bm) * -(-n // c.bn)
+    threads = 1 if c.threads == 1 else team
+    split = -(-work // threads) * threads / max(work, 1)
+    parallel = 1.0 if threads == 1 else 1.0 / team
+    return spill * reload * rows * cols * split * parallel * (1.05 if c.order == "BC" else 1.0)
+
+
+def tune(op: str, m: int, n: int, k: int, *, dtype="f32", out_dtype=None, bias: bool = False,
+         activation=None, budget_s: float = 20.0, repeats: int = 5, margin: float = 0.03,
+         store: bool = True, space=None) -> TuneResult:
+    """Search the blocking of `op` ("matmul" or "linear": the same nest) for an (m, k) @ (k, n)
+    problem within budget_s seconds of measuring, and store the winner (see the module
+    docstring). space: a list of Candidates to try instead of candidates(...)."""
+    if op not in _OPS:
+        raise ArgumentError(f"ops.tune: op must be one of {', '.join(_OPS)}, got {op!r}")
+    for name, v in (("m", m), ("n", n), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ArgumentError(f"ops.tune: {name} must be a positive int, got {v!r}")
+    if not budget_s > 0 or not isinstance(repeats, int) or repeats < 1:
+        raise ArgumentError("ops.tune: budget_s must be > 0 and repeats an int >= 1")
+    m, n, k = int(m), int(n), int(k)
+    dt = _dt.lookup(dtype)
+    dt_out = _dt.lookup(out_dtype) if out_dtype is not None else dt
+    a, b, bias_v = _problem(m, n, k, dt, dt_out, bias)
+    space = candidates(m, n, k, dt, dt_out) if space is None else list(space)
+    base = heuristic(k, n, dt_out)
+    if base not in space:
+        space.insert(0, base)
+    times: dict = {}
+    runner = functools.partial(_runner, a, b, bias_v, dt_out, activation)
+    base_run = runner(base)
+    base_times: list = []
+    deadline = time.perf_counter() + budget_s
+    for cand in space:
+        if time.perf_counter() > deadline and cand is not space[0]:
+            break
+        run = base_run if cand == base else runner(cand)
+        samples = []
+        for _ in range(repeats):          # interleaved with the heuristic's calls
+            samples.append(_time(run))
+            if cand != base:
+                base_times.append(_time(base_run))
+        times[cand] = statistics.median(samples)
+    if base_times:
+        times[base] = statistics.median(base_times + [times[base]])
+    best = min(times, key=times.get)
+    if times[best] > times[base] * (1 - margin):
+        best = base
+    result = TuneResult(op, (m, n, k), dt.name, base, best, times)
+    if store and best != base:
+        disk = _disk()
+        result.stored = (disk.store(_key(n, k, dt, dt_out, bias, activation),
+                                    json.dumps(asdict(best)).encode()) is not None
+                         and disk.store(_bn_key(n, k, dt), json.dumps(best.bn).encode())
+                         is not None)
+        from .matmul import forget_tuned
+        forget_tuned()          # plans made before now took the heuristic
+    return result
+
+
+def _problem(m, n, k, dt, dt_out, bias):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), np.float32).astype(dt.numpy)
+    b = rng.standard_normal((k, n), np.float32).astype(dt.numpy)
+    bias_v = rng.standard_normal(n, np.float32).astype(dt_out.numpy) if bias else None
+    return a, b, bias_v
+
+
+def _runner(a, b, bias, dt_out, activation, cand: Candidate):
+    """A no-argument callable running ops.matmul with cand's blocking and packing."""
+    from .matmul import matmul
+    from .packing import pack_kn
+    packed = pack_kn(b, bn=cand.bn)
+    out = np.empty((a.shape[0], b.shape[1]), dt_out.numpy)
+    bl = cand.blocking()
+    call = functools.partial(matmul, a, packed, out, bias, activation,
+                             out_dtype=dt_out.name, blocking=bl)
+    call()      # compile outside the timing
+    return call
+
+
+def _time(run) -> float:
+    """Seconds of one call (at least ~2 ms of calls, averaged)."""
+    start = time.perf_counter()
+    run()
+    once = time.perf_counter() - start
+    calls = max(1, min(50, int(0.002 / max(once, 1e-7))))
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls

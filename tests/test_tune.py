@@ -1,0 +1,127 @@
+"""ops.tune: the search is bounded, the winner is stored per CPU and problem, and ops.matmul /
+ops.linear use a stored winner (same results, the winner's blocking) and nothing else."""
+import importlib
+
+import numpy as np
+import pytest
+
+import ops
+from ops import autotune as tune
+from tpp.core.errors import ArgumentError
+
+matmul_module = importlib.import_module("ops.matmul")   # ops.matmul is the function
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TPP_DISK_CACHE", raising=False)
+    tune.forget()
+    matmul_module.forget_tuned()
+    yield tmp_path
+    tune.forget()
+    matmul_module.forget_tuned()
+
+
+def _fake_timing(monkeypatch, seconds):
+    """Make each candidate's measured time seconds(candidate): deterministic searches."""
+    def runner(a, b, bias, dt_out, activation, cand):
+        def run():
+            return cand
+        return run
+    monkeypatch.setattr(tune, "_runner", runner)
+    monkeypatch.setattr(tune, "_time", lambda run: seconds(run()))
+
+
+def test_candidates_are_valid_and_start_with_the_heuristic():
+    space = tune.candidates(100, 96, 300, tune._dt.F32, tune._dt.F32)
+    assert space[0] == tune.heuristic(300, 96, tune._dt.F32)
+    assert len(set(space)) == len(space) > 10
+    assert all(c.kc <= 300 and c.bm >= 1 and c.bn in (32, 64, 128) for c in space)
+    bf16 = tune.candidates(64, 64, 300, tune._dt.BF16, tune._dt.BF16)
+    assert all(c.kc == 300 for c in bf16)          # a bf16 C keeps K whole
+
+
+def test_a_real_search_is_bounded_and_never_worse_than_the_heuristic(cache_dir):
+    result = tune.tune("matmul", 48, 40, 72, budget_s=0.3, repeats=2)
+    assert result.heuristic in result.seconds and result.best in result.seconds
+    assert result.speedup >= 1.0
+    assert result.gflops(result.best) > 0
+    assert 1 <= len(result.seconds) < len(tune.candidates(48, 40, 72, tune._dt.F32,
+                                                          tune._dt.F32))
+
+
+def test_the_winner_is_stored_and_used_by_matmul_and_linear(cache_dir, monkeypatch):
+    winner = tune.Candidate(32, 64, 32, "BC", 1)
+    _fake_timing(monkeypatch, lambda cand: 0.5 if cand == winner else 1.0)
+    result = tune.tune("matmul", 70, 80, 128, space=[winner])
+    assert result.best == winner and result.stored and result.speedup == 2.0
+    assert tune.lookup(80, 128, "f32", "f32", False, None) == winner
+    assert tune.lookup_bn(80, 128, "f32") == 32
+    assert tune.lookup(80, 128, "f32", "f32", True, None) is None     # another problem
+
+    seen = []
+    original = matmul_module.gemm_nest
+    monkeypatch.setattr(matmul_module, "gemm_nest",
+                        lambda *args, **kw: seen.append(args[7]) or original(*args, **kw))
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((70, 128), np.float32)
+    b = rng.standard_normal((128, 80), np.float32)
+    packed = ops.pack_kn(b)
+    assert packed.bn == 32                               # packed with the winner's width
+    np.testing.assert_allclose(ops.matmul(a, packed), a @ b, rtol=1e-4, atol=1e-4)
+    assert seen and seen[-1] == winner.blocking()
+    w = np.ascontiguousarray(b.T)
+    np.testing.assert_allclose(ops.linear(a, w), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_no_winner_is_stored_when_nothing_beats_the_margin(cache_dir, monkeypatch):
+    other = tune.Candidate(32, 64, 32)
+    _fake_timing(monkeypatch, lambda cand: 0.99 if cand == other else 1.0)
+    result = tune.tune("linear", 64, 64, 64, space=[other], margin=0.03)
+    assert result.best == result.heuristic and not result.stored
+    assert tune.lookup(64, 64, "f32", "f32", False, None) is None
+
+
+def test_winners_of_another_cpu_are_not_read(cache_dir, monkeypatch):
+    winner = tune.Candidate(32, 64, 32)
+    _fake_timing(monkeypatch, lambda cand: 0.5 if cand == winner else 1.0)
+    assert tune.tune("matmul", 64, 64, 64, space=[winner]).stored
+    monkeypatch.setattr(tune, "_fingerprint", lambda: "another cpu")
+    tune.forget()
+    assert tune.lookup(64, 64, "f32", "f32", False, None) is None
+
+
+def test_corrupt_or_foreign_entries_are_ignored(cache_dir):
+    disk = tune._disk()
+    disk.store(tune._key(64, 64, "f32", "f32", False, None), b"{not json")
+    disk.store(tune._bn_key(64, 64, "f32"), b'"wide"')
+    assert tune.lookup(64, 64, "f32", "f32", False, None) is None
+    assert tune.lookup_bn(64, 64, "f32") is None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(op="conv"), "op must be one of"),
+    (dict(m=0), "m must be a positive int"),
+    (dict(k=2.5), "k must be a positive int"),
+    (dict(budget_s=0), "budget_s"),
+])
+def test_bad_arguments_are_tpp_errors(kwargs, match):
+    args = dict(op="matmul", m=8, n=8, k=8)
+    args.update(kwargs)
+    budget = args.pop("budget_s", 1.0)
+    with pytest.raises(ArgumentError, match=match):
+        tune.tune(args.pop("op"), args.pop("m"), args.pop("n"), args.pop("k"), budget_s=budget)
+
+
+def test_tpp_bench_tune_measures_the_winner_against_the_heuristic(cache_dir, monkeypatch,
+                                                                  capsys):
+    import json
+    from bench import cli
+    monkeypatch.setenv("TPP_TUNE_BUDGET", "0.3")
+    path = cache_dir / "tune.json"
+    assert cli.main(["tune", "--tiny", "-q", "--plain", "--json", str(path)]) == 0
+    records = {r["provider"]: r for r in json.loads(path.read_text()) if r["suite"] == "tune"}
+    assert {"tpp", "heuristic"} <= set(records)
+    assert records["tpp"]["shape"] == [64, 64, 64] and "heuristic" in records["tpp"]["ratios"]
+    assert {"bm", "kc", "bn", "order", "threads"} <= set(records["tpp"]["extra"]["winner"])
