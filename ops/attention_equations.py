@@ -168,15 +168,22 @@ def rescale_spec(d: int):
 
 
 @functools.lru_cache(maxsize=256)
-def finish_spec(d: int, dtype):
-    """out = acc / l (0 where l == 0: a query no key may see, as torch gives) in the output's
-    dtype, and lse = m + log(l) (-inf there)."""
-    eq = tpp.equation(BQ, d)
-    acc = eq.input("acc")
-    l_in = eq.input("l", bcast="col")
-    m = eq.input("m", bcast="col")
+def finish_row_spec():
+    """The end of a query block, first half: inv = 1 / l (0 where l == 0: a query no key may
+    see, which torch gives a row of 0) and lse = m + log(l) (-inf there), as a (1 x BQ)
+    equation, a lane per query (vectors across the queries, not a log and a division per
+    output row); scale_rows_spec then writes out = acc * inv."""
+    eq = tpp.equation(1, BQ)
+    l_in = eq.input("l")
     inv = X.select(X.compare("gt", l_in, 0.0), 1.0 / l_in, 0.0)
-    return eq.spec(out=acc * inv, lse=m + eq.log(l_in), dtypes={"out": dtype})
+    return eq.spec(inv=inv, lse=eq.input("m") + eq.log(l_in))
+
+
+@functools.lru_cache(maxsize=256)
+def scale_rows_spec(d: int, dtype):
+    """out = acc * inv (one factor per query row, finish_row_spec's) in the output's dtype."""
+    eq = tpp.equation(BQ, d)
+    return eq.spec(out=eq.input("acc") * eq.input("inv", bcast="col"), dtypes={"out": dtype})
 
 
 def _brgemm(m, n, k, **kw):
@@ -222,6 +229,6 @@ def delta_spec(d: int, dtype):
     return eq.spec(delta=eq.sum(eq.input("do", dtype=dtype) * eq.input("o", dtype=dtype), 1))
 
 
-for _cache in (step_spec, stats_spec, stats_row_spec, probs_spec, rescale_spec, finish_spec,
-               backward_step_spec, delta_spec):
+for _cache in (step_spec, stats_spec, stats_row_spec, probs_spec, rescale_spec,
+               finish_row_spec, scale_rows_spec, backward_step_spec, delta_spec):
     also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too

@@ -38,7 +38,8 @@ from tpp.runtime.lru import also_clear
 
 from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
     BQ, BK, SEED_BLOCK_BITS, Options, vnni, step_spec, stats_spec, stats_row_spec,
-    probs_spec, rescale_spec, finish_spec, _brgemm, backward_step_spec, delta_spec
+    probs_spec, rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
+    delta_spec
 )
 
 
@@ -165,7 +166,7 @@ class Forward(_Nest):
                   for first in (True, False)}
         sums = {first: _brgemm(1, BQ, BK, lda=BK, ldb=BQ, ldc=BQ, beta=0 if first else 1)
                 for first in (True, False)}
-        rescale, finish = rescale_spec(d), finish_spec(d, dt)
+        rescale, finish_row, finish = rescale_spec(d), finish_row_spec(), scale_rows_spec(d, dt)
         scale, ones, cm = t["scale"][0], t["ones"][0], t["cm"][0]
         extreme = tpp.make_unary("reduce_min" if o.negscale else "reduce_max", BK, BQ, axis=0)
 
@@ -220,10 +221,12 @@ class Forward(_Nest):
                     if not o.dropout:
                         nest.call(sums[first], ones, st, l,
                                   when=own + visible + kcond + fcond)
-            for lcond in last_cases:
+            for lcond in last_cases:     # inv = 1 / l into sf (free after the last step)
+                args = {"l": l, "m": m, "inv": sf, "lse": t["lse"][h, qi * BQ]}
+                nest.call(finish_row, *[args[op.name] for op in finish_row.operands()],
+                          when=own + lcond)
                 for cond, addr in out_cases:
-                    nest.call(finish, acc, l, m, addr(h), t["lse"][h, qi * BQ],
-                              when=own + lcond + cond)
+                    nest.call(finish, acc, sf, addr(h), when=own + lcond + cond)
         self.nest = nest.compile()
 
 

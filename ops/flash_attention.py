@@ -67,6 +67,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
+import threading
 
 import numpy as np
 
@@ -82,6 +83,7 @@ from .attention_kernels import BK, BQ
 _DTYPES = (_dt.F32, _dt.BF16)
 MAX_UNROLL = 16          # heads a nest handles per call (its calls are unrolled per head)
 SCRATCH_PER_CALL = 4 << 20   # bytes of per-sequence scratch a call's heads may hold (see _Problem)
+BLOCKS_PER_CALL = 256        # (64 x 64) score blocks a call's heads may hold, above one head
 _SERIAL_FLOPS = 2e6      # smaller problems run on one thread (waking the team costs more)
 
 
@@ -199,8 +201,13 @@ class _Problem:
         self.mask_kind, self.mask = _mask(mask, (b, h, sq, sk), self.dt)
         # the backward's scratch holds f32 dQ accumulators and the packed query side of its
         # heads, O(hc * Sq * D): few heads per call when the sequence is long
+        # and few enough blocks per call that the calls spread evenly over the threads, also
+        # when a busy machine takes a thread's core away for a while (calls are handed out
+        # one at a time, each a few ms)
+        blocks = max(1, -(-sq // BQ) * -(-sk // BK))
         self.hc = _heads_per_call(h, self.group,
-                                  max(1, SCRATCH_PER_CALL // (4 * max(sq, 1) * d)))
+                                  max(1, min(SCRATCH_PER_CALL // (4 * max(sq, 1) * d),
+                                             BLOCKS_PER_CALL // blocks)))
         self.chunks = b * h // self.hc
 
     def options(self, mheads=1) -> K.Options:
@@ -289,13 +296,49 @@ def _mask(mask, shape, dt):
 
 
 # ---------------------------------------------------------------- layout helpers
-def _tail(x3, block, heads):
+_DUMMIES: dict = {}
+_LOCAL = threading.local()
+_SCRATCH_KEYS = 4        # scratch sets a thread keeps for its next calls
+_REUSED_BYTES = 2 << 20  # the largest backward scratch kept (the forward's is O(hc) blocks)
+
+
+def _dummy(role, shape, dtype):
+    """A shared array of this shape for the tail tensor `role` that the nest never touches
+    (its sequence is a multiple of the block): allocating (and page-faulting) one per call
+    costs more than a small problem's compute. One per role: a nest's tensors must not
+    overlap."""
+    key = (role, tuple(shape), np.dtype(dtype))
+    arr = _DUMMIES.get(key)
+    if arr is None:
+        if len(_DUMMIES) >= 32:
+            _DUMMIES.clear()
+        arr = _DUMMIES[key] = np.zeros(shape, dtype)
+    return arr
+
+
+def _reused(key, make):
+    """A copy of the dict make() gives (scratch arrays, whose contents no call reads before
+    writing), made once per thread and key and kept for that thread's next calls: fresh
+    scratch is page-faulted on every call."""
+    cache = getattr(_LOCAL, "scratch", None)
+    if cache is None:
+        cache = _LOCAL.scratch = {}
+    arrays = cache.get(key)
+    if arrays is None:
+        if len(cache) >= _SCRATCH_KEYS:
+            cache.clear()
+        arrays = cache[key] = make()
+    return dict(arrays)
+
+
+def _tail(x3, block, heads, role):
     """The zero-padded last partial block of each head of x3 (N, S, D): (N, block, D), or
-    zeros for `heads` heads when S is a multiple of block (the nest never reads it then)."""
+    a shared dummy of `heads` heads when S is a multiple of block (the nest never reads it
+    then)."""
     n, s, d = x3.shape
     r = s % block
     if r == 0:
-        return np.zeros((heads, block, d), x3.dtype)
+        return _dummy(role, (heads, block, d), x3.dtype)
     t = np.zeros((n, block, d), x3.dtype)
     t[:, :r] = x3[:, s - r:]
     return t
@@ -338,13 +381,18 @@ def _forward_run(pr, out3, lse_p, nq, nk):
     q3 = pr.q.reshape(-1, pr.sq, d)
     k3 = pr.k.reshape(-1, pr.sk, d)
     v3 = pr.v.reshape(-1, pr.sk, d)
-    qt, kt, vt = _tail(q3, BQ, hc), _tail(k3, BK, hkc), _tail(v3, BK, hkc)
-    outt = np.empty((q3.shape[0] if pr.sq % BQ else hc, BQ, d), dt.numpy)
+    qt, kt, vt = _tail(q3, BQ, hc, "q"), _tail(k3, BK, hkc, "k"), _tail(v3, BK, hkc, "v")
+    outt = np.empty((q3.shape[0], BQ, d), dt.numpy) if pr.sq % BQ else \
+        _dummy("out", (hc, BQ, d), dt.numpy)
     shared = {"cm": _key_tail_mask(pr.sk), "scale": np.full(1, pr.scale, np.float32),
               "ones": _ones()}
+    vnni = K.vnni(pr.options())
 
     def scratch():
-        arrays = dict(shared, qT=np.empty((hc, d, BQ), dt.numpy),
+        return dict(_reused(("fwd", hc, d, dt, vnni), fresh), **shared)
+
+    def fresh():
+        arrays = dict(qT=np.empty((hc, d, BQ), dt.numpy),
                       st=np.empty((hc, BK, BQ), np.float32),
                       acc=np.empty((hc, BQ, d), np.float32),
                       m=np.empty((hc, BQ), np.float32),
@@ -352,7 +400,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
                       alpha=np.empty((hc, BQ), np.float32),
                       sf=np.empty((hc, BQ), np.float32),
                       cx=np.empty((hc, BQ), np.float32))
-        if K.vnni(pr.options()):
+        if vnni:
             arrays.update(qV=np.empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
                           pb=np.empty((hc, BK, BQ), dt.numpy),
                           vV=np.empty((hc, BK // 2, 2 * d), dt.numpy))
@@ -478,11 +526,15 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
     q3, o3, do3 = (x.reshape(-1, sq, d) for x in (pr.q, o4, do4))
     k3, v3 = (x.reshape(-1, sk, d) for x in (pr.k, pr.v))
     dq3, dk3, dv3 = dq.reshape(-1, sq, d), dk.reshape(-1, sk, d), dv.reshape(-1, sk, d)
-    tails = {"qt": _tail(q3, BQ, hc), "ot": _tail(o3, BQ, hc), "dot": _tail(do3, BQ, hc),
-             "kt": _tail(k3, BK, hkc), "vt": _tail(v3, BK, hkc)}
-    outs_t = {"dqt": np.empty((q3.shape[0] if sq % BQ else hc, BQ, d), dt.numpy),
-              "dkt": np.empty((k3.shape[0] if sk % BK else hkc, BK, d), dt.numpy),
-              "dvt": np.empty((k3.shape[0] if sk % BK else hkc, BK, d), dt.numpy)}
+    tails = {name: _tail(x3, BQ if name[0] in "qod" else BK, hc if name[0] in "qod" else hkc,
+                         name) for name, x3 in (("qt", q3), ("ot", o3), ("dot", do3),
+                                                ("kt", k3), ("vt", v3))}
+    outs_t = {"dqt": np.empty((q3.shape[0], BQ, d), dt.numpy) if sq % BQ else
+              _dummy("dqt", (hc, BQ, d), dt.numpy),
+              "dkt": np.empty((k3.shape[0], BK, d), dt.numpy) if sk % BK else
+              _dummy("dkt", (hkc, BK, d), dt.numpy),
+              "dvt": np.empty((k3.shape[0], BK, d), dt.numpy) if sk % BK else
+              _dummy("dvt", (hkc, BK, d), dt.numpy)}
     lse_p = np.full((q3.shape[0], nq * BQ), np.inf, np.float32)
     lse_p[:, :sq] = lse.reshape(-1, sq)
     per_block = pr.mask_kind == "full"
@@ -490,9 +542,17 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
     shared = {"cm": _key_tail_mask(sk), "scale": np.full(1, pr.scale, np.float32)}
 
     snk = nk if per_block else 1
+    vnni = K.vnni(pr.options())
+    # per worker O(hc * Sq * D): kept for the thread's next call only while small
+    small = 4 * hc * (snq * BQ + hkc * snk * BK) * d * 3 <= _REUSED_BYTES
 
     def scratch():
-        arrays = dict(shared, delta=np.empty((hc, snq * BQ), np.float32),
+        if small:
+            return dict(_reused(("bwd", hc, hkc, snq, snk, d, dt, vnni), fresh), **shared)
+        return dict(fresh(), **shared)
+
+    def fresh():
+        arrays = dict(delta=np.empty((hc, snq * BQ), np.float32),
                       gq=np.empty((hc, snq, BQ, d), np.float32),
                       gk=np.empty((hkc, snk, BK, d), np.float32),
                       gv=np.empty((hkc, snk, BK, d), np.float32),
