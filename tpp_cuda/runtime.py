@@ -19,6 +19,7 @@ import numpy as np
 
 from tpp.core.errors import CompileError, UnsupportedError
 from tpp.runtime.lru import LRU
+from tpp.runtime.registry import Compiled
 
 from . import generators
 
@@ -87,8 +88,8 @@ def include_dirs() -> tuple:
     return tuple(found)
 
 
-class CudaFunction:
-    """One compiled kernel of one spec on one device."""
+class CudaFunction(Compiled):
+    """One compiled kernel of one spec on one device (the CUDA backend's Compiled object)."""
 
     def __init__(self, spec, device: int):
         cupy = _cupy()
