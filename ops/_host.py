@@ -2,10 +2,10 @@
 
 Operators take numpy arrays or torch CPU tensors and return the kind they were given; these
 helpers allocate, view and validate without copying where the layout allows. The operators
-that run on a GPU too (ops.matmul, ops.linear, the MLP, ops.pack_*, ops.blocked) also take
-device arrays: torch CUDA tensors (used as they are) and anything with
-`__cuda_array_interface__` or a CUDA DLPack capsule (cupy, numba, ...), which `host(x, name,
-device=True)` turns into a `DeviceView`. Their outputs come from the device's backend
+that run on a GPU too (ops.matmul, ops.linear, the MLP, ops.pack_*, ops.blocked, ops.norms,
+ops.residual_norm) also take device arrays: torch CUDA tensors (used as they are) and anything
+with `__cuda_array_interface__` or a CUDA DLPack capsule (cupy, numba, ...), which `host(x,
+name, device=True)` turns into a `DeviceView`. Their outputs come from the device's backend
 (`empty`: torch CUDA for torch inputs, else what the backend's `empty` gives, cupy for the
 CUDA backend), on the inputs' device; every device-side step is a TPP kernel or nest.
 """
@@ -46,7 +46,7 @@ def host(x, name: str, device: bool = False):
             raise UnsupportedError(f"{_operator()}: {name} is on {where} "
                                    f"({type(x).__name__}); this operator runs on the CPU only "
                                    f"(on a GPU: ops.matmul, ops.linear, the MLP, ops.pack_kn / "
-                                   f"pack_nk, ops.blocked)")
+                                   f"pack_nk, ops.blocked, the norms and softmax of ops.norms)")
         return arr if arrays.is_torch(arr) else DeviceView.of(arr)
     if arr is x and arrays.is_torch(x) and t.__module__.startswith("torch"):
         _CPU_TENSOR_TYPES.add(t)     # torch.Tensor, torch.nn.Parameter
@@ -113,7 +113,8 @@ class DeviceView:
                 "strides": tuple(s * size for s in self.strides)}
 
     def is_contiguous(self) -> bool:
-        return arrays.contiguous(self.shape, self.strides)
+        """C-contiguous strides (any strides when there are no elements)."""
+        return 0 in self.shape or arrays.contiguous(self.shape, self.strides)
 
     def reshape(self, *shape) -> "DeviceView":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):

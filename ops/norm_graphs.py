@@ -9,9 +9,12 @@ per-row values turned into multiplications by one reciprocal per row (`_lean`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tpp
 from tpp.core import dtypes as _dt
 from tpp.core import expr as X
+from tpp.core.equation_spec import graph_text
 
 
 # ---------------------------------------------------------------- graph helpers
@@ -256,6 +259,27 @@ def _bad_backward(rows, n, dt, bdt, has_b, activation, p, need):
     dx_in = second.input("dx", dtype=dt)
     dbias, = _saved([grads[1]], {grads[0]: dx_in})
     return (eq.spec(dx=grads[0], dtypes={"dx": dt}), second.spec(dbias=dbias))
+
+
+def per_row_terms(spec):
+    """spec with each axis-0 output (a "vector": the sum over the block's rows of a block
+    expression, a weight or bias gradient's partial row) replaced by that expression as an f32
+    block output of the same name, whose rows a column-sum nest then adds up: the form of the
+    equations for backends that reduce along axis 1 only (tpp_cuda). spec itself when it has
+    no such output; ValueError for an axis-0 output of another form."""
+    if not any(layout == "vector" for _, layout, _, _ in spec.outputs):
+        return spec
+    nodes, outputs = [], []
+    for node, (name, layout, dt, ld) in zip(spec.nodes, spec.outputs):
+        if layout == "vector":
+            if not (node.op == "rsum" and node.attr[0] == 0 and node.args[0].shape == "block"):
+                raise ValueError(f"{name}: an axis-0 output that is not a sum over the rows "
+                                 f"({node.op})")
+            node, layout, dt, ld = node.args[0], "block", _dt.F32, spec.n
+        nodes.append(node)
+        outputs.append((name, layout, dt, ld))
+    return dataclasses.replace(spec, outputs=tuple(outputs), graph=graph_text(nodes),
+                               nodes=tuple(nodes))
 
 
 _BUILDERS = {"ln_fwd": _ln_forward, "ln_bwd": _ln_backward, "rms_fwd": _rms_forward,

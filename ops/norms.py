@@ -18,6 +18,19 @@ gradients come back in their dtype). Non-contiguous inputs are copied to a conti
 first (no error). Bad input raises tpp.core.errors.ArgumentError: a wrong shape, a dtype other
 than f32/bf16, a negative or non-finite eps, an unknown keyword.
 
+On a GPU: the same calls take device arrays (torch CUDA tensors, cupy, anything with
+`__cuda_array_interface__`) and return device arrays of the input's kind on its device
+(ops._host.empty: the device backend allocates them); every array of a call on one device,
+else an ArgumentError naming them. The same nests run there (tpp.runtime.loops.CompiledNest
+dispatches by the arrays' device: tpp_cuda lowers a nest to one kernel, each equation a
+block-cooperative device function), in their device form (`_nest(..., device=True)`): the
+CUDA equations reduce along axis 1 only, so a parameter gradient's equation writes its per-row
+terms (the argument of its sum over the rows: norm_graphs.per_row_terms) to an (M, n) f32
+scratch tensor instead of one partial row per block, and the same column-sum nest adds them
+up (on the device: scratch of M rows instead of M / bm). eps and scale go to the device once
+per value (ops._host.constant). Not on the device: a softmax mask that needs broadcasting
+(other than one row (n,) or x's shape): UnsupportedError.
+
 How. Each operator is an equation (tpp.equation) over a block of `bm` rows by all n columns:
 the compiler fuses a row's reductions and element-wise work into a few passes over the row
 while it is in L1. One loop nest runs it over the rows, whose count M is a size of the nest
@@ -71,13 +84,14 @@ import numpy as np
 import tpp
 from tpp.runtime import arrays as _arrays
 from tpp.core import dtypes as _dt
-from tpp.core.errors import ArgumentError
+from tpp.core.errors import ArgumentError, UnsupportedError
 from tpp.runtime.lru import also_clear
 from tpp.core.spec import mask_bytes
 
 from . import _host
 from .blocked import column_sums
 from .norm_graphs import _BUILDERS, _grad, _lean, _saved  # noqa: F401  (ops.residual_norm uses them)
+from .norm_graphs import per_row_terms
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "sigmoid", "tanh", "silu")
 _DTYPES = (_dt.F32, _dt.BF16)
@@ -105,13 +119,17 @@ class _Nest:
     (M, cols), per-row ones (M,), rows (n,), params (1,) and partial rows (M // bm + M % bm,
     n) f32. Each step calls the equations in order on one block of bm rows (or one row)."""
 
-    def __init__(self, kind, n, options, stream=False):
+    def __init__(self, kind, n, options, stream=False, device=False):
         bm = block_rows(n)
-        self.bm, self.n = bm, n
+        self.bm, self.n, self.device = bm, n, device
         build = _BUILDERS[kind]
         specs = {bm: build(bm, n, *options), 1: build(1, n, *options)}
         if stream:      # outputs bigger than the caches: non-temporal stores
             specs = {k: tuple(sp.replace(stream=True) for sp in v) for k, v in specs.items()}
+        if device:      # no axis-0 reductions: per-row terms (m, n) f32, summed by column_sums
+            specs = {k: tuple(per_row_terms(sp) for sp in v) for k, v in specs.items()}
+            host = {op.name for sp in build(1, n, *options) for op in sp.operands()
+                    if op.layout == "vector"}
         m = tpp.size("M")
         full = m // bm
         partial_rows = full + m - full * bm
@@ -136,7 +154,8 @@ class _Nest:
                     shape = (partial_rows, n)
                 tensors[name] = nest.tensor(name, shape, op.dtype)
                 self.names.append(name)
-                self.layouts[name], self.dtypes[name] = op.layout, op.dtype
+                layout = "vector" if device and name in host else op.layout
+                self.layouts[name], self.dtypes[name] = layout, op.dtype
         seed = None
         for rows, guard, part in ((bm, (r - r // bm * bm == 0, r + bm <= m), r // bm),
                                   (1, (r >= full * bm,), full + r - full * bm)):
@@ -147,7 +166,7 @@ class _Nest:
                 for op in spec.operands():
                     t = tensors[_ALIASES.get(op.name, op.name)]
                     if op.layout in ("block", "mask", "col"):
-                        args.append(t[r])
+                        args.append(t[r])     # (a device nest's per-row terms too)
                     elif op.layout in ("row", "scalar"):
                         args.append(t[0])
                     else:
@@ -162,10 +181,12 @@ class _Nest:
                              for name in self.names if name in written)
 
     def partial_rows(self, m):
-        return m // self.bm + m % self.bm
+        """Rows of a partial-sums tensor: one per block and remainder row; on a device, one per
+        row (the per-row terms)."""
+        return m if self.device else m // self.bm + m % self.bm
 
     def run(self, arrays: dict, m: int, seed=None):
-        threads = 1 if m * self.n < _SERIAL_ELEMENTS else None
+        threads = 1 if m * self.n < _SERIAL_ELEMENTS or self.device else None
         args = [arrays[name] for name in self.names]
         if self.seeded:
             self.nest(*args, threads=threads, SEEDLO=seed & 0xFFFFFFFF,
@@ -175,8 +196,11 @@ class _Nest:
 
 
 @functools.lru_cache(maxsize=256)
-def _nest(kind, n, options, stream=False) -> _Nest:
-    return _Nest(kind, n, options, stream)
+def _nest(kind, n, options, stream=False, device=False) -> _Nest:
+    """The nest of (kind, n, options); device=True: its form for device backends (the
+    CompiledNest dispatches by the arrays' device), the equations' axis-0 outputs written as
+    per-row terms (norm_graphs.per_row_terms)."""
+    return _Nest(kind, n, options, stream, device)
 
 
 # A call writing at least this many bytes of blocks uses the nest variant with non-temporal
@@ -191,7 +215,7 @@ also_clear(_nest.cache_clear)      # tpp.clear_caches() empties it too
 # ---------------------------------------------------------------- argument handling
 def _rows(x, name):
     """(x as a C-contiguous (M, n) array, leading shape, dtype)."""
-    x = _host.host(x, name)
+    x = _host.host(x, name, device=True)
     shape = tuple(x.shape)
     if len(shape) < 1:
         raise ArgumentError(f"{name}: expected an array of shape (..., n), got a 0-d one")
@@ -228,7 +252,7 @@ def _vector(v, n, name):
     """v, an (n,) f32 or bf16 array, contiguous; None stays None."""
     if v is None:
         return None
-    v = _host.host(v, name)
+    v = _host.host(v, name, device=True)
     if tuple(v.shape) != (n,):
         raise ArgumentError(f"{name}: expected shape ({n},) (the last axis of x), got "
                             f"{tuple(v.shape)}")
@@ -273,7 +297,7 @@ def _grad_cols(n, what):
 
 def _same_rows(a, like, m, n, name, dt=None):
     """a as (m, n) rows of like's leading shape (it must have x's shape)."""
-    a = _host.host(a, name)
+    a = _host.host(a, name, device=True)
     if tuple(a.shape) != tuple(like.shape):
         raise ArgumentError(f"{name}: expected shape {tuple(like.shape)}, got "
                             f"{tuple(a.shape)}")
@@ -285,7 +309,7 @@ def _same_rows(a, like, m, n, name, dt=None):
 
 
 def _stats(s, lead, m, name):
-    s = _host.host(s, name)
+    s = _host.host(s, name, device=True)
     if tuple(s.shape) not in (tuple(lead), (m,)):
         raise ArgumentError(f"{name}: expected shape {tuple(lead)} (x's leading shape), got "
                             f"{tuple(s.shape)}")
@@ -306,13 +330,23 @@ def _np_empty(shape, dtype, like):
 
 def _run(kind, n, options, arrays, outputs, like, m, seed=None):
     """Run the nest of (kind, n, options) on the input arrays; outputs: name -> dtype of the
-    results wanted (allocated here: block (m, n), col (m,), partial rows summed to (n,))."""
-    nest = _nest(kind, n, options)
-    written = sum(m * n * dt.itemsize for _, layout, dt in nest.outputs if layout == "block")
-    if written >= STREAM_BYTES:
-        nest = _nest(kind, n, options, True)
+    results wanted (allocated here: block (m, n), col (m,), partial rows summed to (n,)).
+    like (x's rows) on a device: every array must be there (ArgumentError naming a mix), the
+    results are allocated there and the nest's device form runs there."""
+    t = type(like)
+    if t is np.ndarray or (t in _host._CPU_TENSOR_TYPES and like.is_cpu) \
+            or not _host.on_device(like):
+        nest = _nest(kind, n, options)
+        written = sum(m * n * dt.itemsize for _, layout, dt in nest.outputs
+                      if layout == "block")
+        if written >= STREAM_BYTES:
+            nest = _nest(kind, n, options, True)
+        empty = _np_empty if t is np.ndarray else _host.empty
+    else:
+        _on_device(arrays, like)
+        nest = _nest(kind, n, options, False, True)
+        empty = _host.empty
     results, partials = {}, {}
-    empty = _np_empty if type(like) is np.ndarray else _host.empty
     for name, layout, dt in nest.outputs:
         if layout == "vector":
             partials[name] = arrays[name] = empty((nest.partial_rows(m), n), _dt.F32, like)
@@ -323,7 +357,7 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None):
         else:   # col
             results[name] = arrays[name] = empty((m,), _dt.F32, like)
     if m:
-        nest.run(arrays, m, seed)
+        nest.run(arrays, m, seed)      # a host / device mix: ArgumentError naming them
     for name, part in partials.items():
         out = _host.zeros((n,), outputs[name], like) if m == 0 else \
             _host.empty((n,), outputs[name], like)
@@ -331,6 +365,20 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None):
             column_sums(part, out)
         results[name] = out
     return results
+
+
+def _on_device(arrays, like):
+    """arrays (name -> array) for a nest on like's device: ArgumentError naming a mix of
+    devices; the f32 parameters (eps, scale: _scalar's host arrays) replaced by copies on the
+    device (_host.constant: made once per device and value)."""
+    _host.same_device(**{name: a for name, a in arrays.items() if name not in _PARAMS})
+    for name in _PARAMS:
+        value = arrays.get(name)
+        if type(value) is np.ndarray:
+            arrays[name] = _host.constant(float(value[0]), _dt.F32, like)
+
+
+_PARAMS = ("eps", "scale")      # the equations' f32 scalar parameters
 
 
 # ---------------------------------------------------------------- layer norm
@@ -456,7 +504,7 @@ def softmax(x, *, mask=None, scale=None, **unknown):
         arrays["scale"] = _scalar(_number(scale, "scale"))
     layout = mdt = None
     if mask is not None:
-        mask = _host.host(mask, "mask")
+        mask = _host.host(mask, "mask", device=True)
         mdt = _dtype(mask, "mask")
         mshape = tuple(mask.shape)
         if mshape == (n,) or (len(mshape) >= 1 and math.prod(mshape) == n and
@@ -480,6 +528,10 @@ def _expand(mask, shape, m, n):
     if not ok:
         raise ArgumentError(f"mask: shape {tuple(mask.shape)} does not broadcast to x's "
                             f"shape {shape} (or its 2-D view ({m}, {n}))")
+    if _host.on_device(mask):
+        raise UnsupportedError(f"{_host._operator()}: on a device, the mask is one row ({n},) or "
+                               f"of x's shape (or its 2-D view ({m}, {n})); got shape "
+                               f"{tuple(mask.shape)} (expand it on the device first)")
     if _arrays.is_torch(mask):
         return mask.expand(shape).contiguous().reshape(m, n)
     return np.ascontiguousarray(np.broadcast_to(mask, shape)).reshape(m, n)
@@ -560,7 +612,7 @@ def bias_act_dropout_backward(dy, x, bias=None, keep=None, activation="gelu", p=
     if p > 0:
         if keep is None:
             raise ArgumentError("keep: p > 0 needs the forward's keep bitmask")
-        keep = _host.host(keep, "keep")
+        keep = _host.host(keep, "keep", device=True)
         if tuple(keep.shape) != (*lead, mask_bytes(n)) or str(keep.dtype).split(".")[-1] \
                 != "uint8":
             raise ArgumentError(f"keep: expected a uint8 bitmask of shape "

@@ -20,9 +20,10 @@ dres = dh).
 
 Same data conventions and nests as ops.norms (whose machinery this module reuses: its
 builders register under their own kinds in ops.norms' nest table): numpy arrays or torch CPU
-tensors of shape (..., n), f32 or bf16 (f32 arithmetic and statistics); bias, weight and
-ln_bias (n,) of one dtype; dropout from the op table's counter-based stream with ops.norms'
-per-block seeds, so results depend on (seed, M, n) only, never on the threads.
+tensors (or device arrays: ops.norms' device path) of shape (..., n), f32 or bf16 (f32
+arithmetic and statistics); bias, weight and ln_bias (n,) of one dtype; dropout from the op
+table's counter-based stream with ops.norms' per-block seeds, so results depend on (seed, M,
+n) only, never on the threads.
 
 The backward equations are tpp.core.autodiff.grad of the forward graph (the draw of dropout
 replaced by the saved bitmask, the sum h, mean and rstd by their saved values), in ops.norms'
@@ -261,7 +262,7 @@ def residual_layer_norm_backward(dy, dh, h, mean, rstd, weight=None, keep=None, 
 def _keep(keep, lead, m, n):
     if keep is None:
         raise ArgumentError("keep: p > 0 needs the forward's keep bitmask")
-    keep = _host.host(keep, "keep")
+    keep = _host.host(keep, "keep", device=True)
     if tuple(keep.shape) != (*lead, mask_bytes(n)) or \
             str(keep.dtype).split(".")[-1] != "uint8":
         raise ArgumentError(f"keep: expected a uint8 bitmask of shape {(*lead, mask_bytes(n))}"

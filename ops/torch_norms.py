@@ -18,13 +18,17 @@ A normalized_shape of several dimensions is flattened into one (the input's trai
 dimensions and the weight are reshaped views; autograd sees the reshapes). Softmax over a dim
 that is not the last one transposes it to the last (a copy), runs, and transposes back.
 
-Served by torch's own implementation instead (same results, torch's autograd): tensors not
-on the CPU, dtypes other than float32 / bfloat16 (float64, float16, ...), empty tensors, a
-0-d softmax input, rows wider than ops.norms.MAX_GRAD_COLS (65536) when the weight or bias
-requires grad, and a backward that must itself be differentiable (create_graph=True: the
-gradients are recomputed with torch's operators so that autograd can differentiate them
-again). Shapes that do not match (normalized_shape vs the input's trailing dimensions, a
-weight of another shape) raise tpp.core.errors.ArgumentError (a ValueError).
+CUDA tensors run the same nests on their GPU (ops.norms' device path: the results on the
+input's device; parameters on another device than the input: ArgumentError naming them).
+
+Served by torch's own implementation instead (same results, torch's autograd): tensors
+neither on the CPU nor on a CUDA device, dtypes other than float32 / bfloat16 (float64,
+float16, ...), empty tensors, a 0-d softmax input, rows wider than ops.norms.MAX_GRAD_COLS
+(65536) when the weight or bias requires grad, and a backward that must itself be
+differentiable (create_graph=True: the gradients are recomputed with torch's operators so
+that autograd can differentiate them again). Shapes that do not match (normalized_shape vs
+the input's trailing dimensions, a weight of another shape) raise
+tpp.core.errors.ArgumentError (a ValueError).
 """
 from __future__ import annotations
 
@@ -44,11 +48,12 @@ F = torch.nn.functional
 
 
 def _servable(*tensors) -> bool:
-    """Whether the TPP path takes these tensors (None entries ignored)."""
+    """Whether the TPP path takes these tensors (None entries ignored): f32 / bf16 on the CPU
+    or a CUDA device (ops.norms runs its nests there; a mix of devices is its ArgumentError)."""
     for t in tensors:
         if t is None:
             continue
-        if not t.is_cpu or t.dtype not in _DTYPES:
+        if t.dtype not in _DTYPES or not (t.is_cpu or t.is_cuda):
             return False
     return True
 
