@@ -177,10 +177,7 @@ def same_device(**named) -> Device:
         if not d.is_host:
             registry.for_device(d)
     if len(where) > 1:
-        spots = ", ".join(f"{name} on {'the host' if d.is_host else d}"
-                          for d, name in where.items())
-        raise ArgumentError(f"the operands live on different devices ({spots}); move them to "
-                            f"one device first")
+        raise arrays.different_devices(where)
     return next(iter(where), CPU)
 
 

@@ -113,11 +113,16 @@ def common_device(named_arrays) -> Device:
     for name, arr in named_arrays:
         where.setdefault(device_of(arr), name)
     if len(where) > 1:
-        spots = ", ".join(f"{name} on {'the host' if d.is_host else d}"
-                          for d, name in where.items())
-        raise ArgumentError(f"the operands live on different devices ({spots}); move them to "
-                            f"one device first")
+        raise different_devices(where)
     return next(iter(where), CPU)
+
+
+def different_devices(where: dict) -> ArgumentError:
+    """The error for operands on several devices; where: Device -> the first operand's name
+    there."""
+    spots = ", ".join(f"{name} on {'the host' if d.is_host else d}" for d, name in where.items())
+    return ArgumentError(f"the operands live on different devices ({spots}); move them to one "
+                         f"device first")
 
 
 def shared_device(layouts, named_arrays) -> Device:
