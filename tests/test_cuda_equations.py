@@ -105,3 +105,16 @@ def test_reductions_over_rows_are_unsupported_on_cuda():
 def test_dump_cuda_source():
     src = _layer_norm(4, 64).dump("cuda")
     assert "__shfl_xor_sync" in src and "__fsqrt_rn" in src
+
+
+def test_operand_names_that_are_c_keywords_compile():
+    """Operand names are the user's (eq.input("do")): the CUDA source must not use them bare."""
+    eq = tpp.equation(3, 5)
+    x, y, k = eq.input("do"), eq.input("int", bcast="row"), eq.param("i")
+    kernel = eq.compile(x * y + k, max=eq.max(x, axis=1))
+    a = RNG.standard_normal((3, 5)).astype(np.float32)
+    row = RNG.standard_normal(5).astype(np.float32)
+    got = _run(kernel, {"do": a, "int": row, "i": np.full(1, 0.5, np.float32)},
+               {"out": np.zeros((3, 5), np.float32), "max": np.zeros(3, np.float32)})
+    np.testing.assert_allclose(got["out"], a * row + 0.5, rtol=1e-6)
+    np.testing.assert_array_equal(got["max"], a.max(axis=1))

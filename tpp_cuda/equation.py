@@ -52,6 +52,12 @@ def supported(spec) -> bool:
     return True
 
 
+def _ident(name: str) -> str:
+    """The C identifier of an operand: its name behind a prefix, so that a name that is a C
+    keyword or a built-in of the kernel ("do", "int", "i") still compiles."""
+    return f"op_{name}"
+
+
 def kernel_name(spec) -> str:
     return "tpp_eq_" + hashlib.sha256(spec.key().encode()).hexdigest()[:20]
 
@@ -77,14 +83,14 @@ class _Leaves:
                 return name[2:]                 # a reduction's per-row value: r<k>
             o = self.ops[name]
             at = {"block": f"i * {o.ld} + j", "row": "j", "col": "i", "scalar": "0"}[o.layout]
-            return _LOAD[o.dtype.name].format(f"{name}[{at}]")
+            return _LOAD[o.dtype.name].format(f"{_ident(name)}[{at}]")
         if op == "param":
-            return f"{nd.attr[0]}[0]"
+            return f"{_ident(nd.attr[0])}[0]"
         if op == "extent":
             return expr_cuda.float_literal(float((spec.m, spec.n)[nd.attr[0]]))
         if op == "maskbit":
             name = nd.attr[0]
-            return f"((({name}[i * {mask_bytes(spec.n)} + (j >> 3)] >> (j & 7)) & 1u) != 0u)"
+            return f"((({_ident(name)}[i * {mask_bytes(spec.n)} + (j >> 3)] >> (j & 7)) & 1u) != 0u)"
         if op == "index":
             return {"flat": f"(unsigned int)(i * {spec.n} + j)", "row": "(unsigned int)i",
                     "col": "(unsigned int)j"}[nd.attr[0]]
@@ -123,7 +129,7 @@ def _function(spec, form) -> str:
     args = []
     for o in spec.operands():
         ctype = _CTYPE[o.dtype.name]
-        args.append(f"{'const ' if o.role == 'in' else ''}{ctype}* __restrict__ {o.name}")
+        args.append(f"{'const ' if o.role == 'in' else ''}{ctype}* __restrict__ {_ident(o.name)}")
     if spec.scalars:
         args.append("long long seed")
     body = []
@@ -163,7 +169,7 @@ def _store_lines(pairs, leaves, prefix):
     for (nd, (name, layout, dt, ld)), value in zip(pairs, values):
         at = {"block": f"i * {ld} + j", "col": "i", "vector": "j" if nd.shape == "row" else "0",
               "scalar": "0"}[layout]
-        lines.append(f"{name}[{at}] = " + _STORE[dt.name].format(value) + ";")
+        lines.append(f"{_ident(name)}[{at}] = " + _STORE[dt.name].format(value) + ";")
     return lines
 
 
@@ -189,13 +195,13 @@ def _block_pass(pairs, leaves, spec):
         if layout == "mask":
             stores.append(f"bits_{name} |= ({value} ? 1u : 0u) << jj;")
         else:
-            stores.append(f"{name}[i * {ld} + j] = " + _STORE[dt.name].format(value) + ";")
+            stores.append(f"{_ident(name)}[i * {ld} + j] = " + _STORE[dt.name].format(value) + ";")
     chunks = (spec.n + 7) // 8
     out = [f"for (long long jc = lane; jc < {chunks}; jc += 32) {{"]
     out += [f"  unsigned int bits_{name} = 0u;" for _, (name, *_rest) in masks_out]
     out += ["  for (int jj = 0; jj < 8; ++jj) {", "    const long long j = jc * 8 + jj;",
             "    if (j >= N) break;", *_indent(lines + stores, 4), "  }"]
-    out += [f"  {name}[i * {mask_bytes(spec.n)} + jc] = (unsigned char)bits_{name};"
+    out += [f"  {_ident(name)}[i * {mask_bytes(spec.n)} + jc] = (unsigned char)bits_{name};"
             for _, (name, *_rest) in masks_out]
     out.append("}")
     return out
