@@ -43,6 +43,8 @@ class Options:
     mheads: int = 1
     dropout: float = 0.0
     negscale: bool = False      # scale < 0: the largest score is scale * the smallest s
+    cuda: bool = False          # the variant for device backends (see attention_kernels):
+                                # no equation reduces over the rows of a block
 
 
 # ---------------------------------------------------------------- equations
@@ -186,6 +188,40 @@ def scale_rows_spec(d: int, dtype):
     return eq.spec(out=eq.input("acc") * eq.input("inv", bcast="col"), dtypes={"out": dtype})
 
 
+# ---------------------------------------------------------------- the device variant
+# A device backend (tpp_cuda) builds equations that reduce along axis 1 only, so the device
+# forward (Options.cuda) splits the step of a masked, causal-diagonal, tail or dropout block:
+# z in place of s (scores_spec), its column maxima by the reduce_max TPP, stats_row_spec on
+# them (scale 1), p = exp(z - safe) (exp_spec), the column sums by the ones-row BRGEMM, and
+# with dropout the keep bits applied to P^T last (drop_spec: the same seed and element index,
+# so the same bits as step_spec's).
+@functools.lru_cache(maxsize=256)
+def scores_spec(o: Options, diag: bool, tail: bool):
+    """z = s * scale + masks (-inf for keys past the end or above the causal diagonal) over
+    the S^T block, in place."""
+    eq = tpp.equation(BK, BQ)
+    return eq.spec(z=_scores(eq, o, diag=diag, tail=tail))
+
+
+@functools.lru_cache(maxsize=256)
+def exp_spec(o: Options):
+    """P^T = exp(z - safe) over the z block, in place (f32: the column sums read it); the bf16
+    path without dropout also rounds it to bf16 into p."""
+    eq = tpp.equation(BK, BQ)
+    p = eq.exp(eq.input("z") - eq.input("sf", bcast="row"))
+    if vnni(o) and not o.dropout:
+        return eq.spec(pf=p, p=p, dtypes={"p": o.dtype})
+    return eq.spec(pf=p)
+
+
+@functools.lru_cache(maxsize=256)
+def drop_spec(o: Options):
+    """P^T with dropout's keep bits (step_spec's: a function of the block's seed and the
+    element's index in it), in the nest's dtype."""
+    eq = tpp.equation(BK, BQ)
+    return eq.spec(p=_dropped(eq, o, eq.input("pf")), dtypes={"p": o.dtype})
+
+
 def _brgemm(m, n, k, **kw):
     return tpp.make_brgemm(m, n, k, **kw)
 
@@ -224,11 +260,13 @@ def backward_step_spec(o: Options, diag: bool, tail: bool):
 
 @functools.lru_cache(maxsize=256)
 def delta_spec(d: int, dtype):
-    """Delta = rowsum(dO * O) of a (BQ x d) block: one value per query row."""
+    """Delta = rowsum(dO * O) of a (BQ x d) block: one value per query row. (The input is
+    "dout", not "do": operand names become C identifiers in the CUDA backend's code.)"""
     eq = tpp.equation(BQ, d)
-    return eq.spec(delta=eq.sum(eq.input("do", dtype=dtype) * eq.input("o", dtype=dtype), 1))
+    return eq.spec(delta=eq.sum(eq.input("dout", dtype=dtype) * eq.input("o", dtype=dtype), 1))
 
 
 for _cache in (step_spec, stats_spec, stats_row_spec, probs_spec, rescale_spec,
-               finish_row_spec, scale_rows_spec, backward_step_spec, delta_spec):
+               finish_row_spec, scale_rows_spec, backward_step_spec, delta_spec, scores_spec,
+               exp_spec, drop_spec):
     also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too

@@ -39,7 +39,7 @@ from tpp.runtime.lru import also_clear
 from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
     BQ, BK, SEED_BLOCK_BITS, Options, vnni, step_spec, stats_spec, stats_row_spec,
     probs_spec, rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
-    delta_spec
+    delta_spec, scores_spec, exp_spec, drop_spec
 )
 
 
@@ -82,7 +82,9 @@ class Forward(_Nest):
     In the per-query-block variant (mask2d) the query block is the size I.
     The step without dropout is three calls: the column extreme of s (reduce TPP) and a
     (1 x 64) statistics equation on unmasked blocks (stats_spec on masked ones), then
-    probs_spec's exponentials: column values once per column, not per element."""
+    probs_spec's exponentials: column values once per column, not per element. The device
+    variant (Options.cuda) runs the other steps (masks, the causal diagonal, the key tail,
+    dropout) without equations that reduce over rows: see _device_step."""
 
     def __init__(self, o: Options):
         self.o = o
@@ -197,6 +199,10 @@ class Forward(_Nest):
                         if o.mask2d:
                             names["mk"] = t["mk"][mh, j]
                         when = own + visible + kcond + dcond + fcond
+                        if o.cuda and (o.dropout or not plain(diag, tail)):
+                            self._device_step(nest, o, first, diag, tail, names, when,
+                                              ones, sums[first], _seed(h, qi, j))
+                            continue
                         if o.dropout:
                             specs = (step_spec(o, first, diag, tail),)
                         elif plain(diag, tail):
@@ -229,6 +235,31 @@ class Forward(_Nest):
                     nest.call(finish, acc, sf, addr(h), when=own + lcond + cond)
         self.nest = nest.compile()
 
+    @staticmethod
+    def _device_step(nest, o, first, diag, tail, names, when, one, sums, seed):
+        """The step of a masked / diagonal / tail / dropout block without equations that
+        reduce over rows (Options.cuda; see attention_equations.scores_spec): z in place of
+        s, its column maxima (reduce TPP), the statistics on them (stats_row_spec, scale 1),
+        P^T = exp(z - safe), l += its column sums (ones-row BRGEMM) and, with dropout, the
+        keep bits applied to P^T last."""
+        st = names["s"]
+
+        def call(spec, names, seed=None):
+            nest.call(spec, *[names[op.name] for op in spec.operands()], when=when, seed=seed)
+
+        call(scores_spec(o, diag, tail), dict(names, z=st))
+        names = dict(names, z=st, pf=st, scale=one)
+        nest.call(_column_max(), st, names["c"], when=when)
+        call(stats_row_spec(first), names)
+        call(exp_spec(o), names)
+        if o.dropout:
+            nest.call(sums, one, st, names["l"], when=when)
+            call(drop_spec(o), names, seed)
+
+
+@functools.lru_cache(maxsize=1)
+def _column_max():
+    return tpp.make_unary("reduce_max", BK, BQ, axis=0)
 
 
 @functools.lru_cache(maxsize=64)

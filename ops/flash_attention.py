@@ -20,6 +20,9 @@ Contract (torch.nn.functional.scaled_dot_product_attention's semantics):
   bits, and attention_backward regenerates them from the same seed (it must be given), so
   forward and backward agree. The bits are the operator's own (a function of the seed, the
   head's index b * H + h and the element), not torch's.
+  Device data (torch CUDA tensors, cupy, anything with __cuda_array_interface__; all operands
+  and the mask on one device) runs the same nests on the device's backend and returns q's kind
+  on that device (see "On a device" below); host and device operands mixed: ArgumentError.
   Bad input raises tpp.core.errors.ArgumentError: shapes that do not match, a head dim mismatch,
   H % Hk != 0, a mask of a shape that does not broadcast or of another dtype, a dtype other
   than f32 / bf16, mixed dtypes, an unknown keyword.
@@ -54,6 +57,13 @@ HC capped so that that stays near SCRATCH_PER_CALL (B1 H12 S8192 D64 f32 fwd+bwd
 of peak RSS beyond inputs and outputs, tested in a subprocess); a mask is reblocked to an f32
 additive copy at its own broadcast shape (key masks O(S), 2-D masks O(Sq * Sk) like the
 mask itself).
+
+On a device: one launch per chunk of heads (and per query block with a 2-D mask), in order;
+the forward's nest is its device variant (Options.cuda: the masked / diagonal / tail /
+dropout block steps without equations that reduce over rows, which the CUDA backend does not
+build; results equal the host's to rounding, the dropout bits are the same); scratch and tail
+blocks are device allocations per call, cut and pasted by identity TPPs; a mask is read back
+to the host once per call, reblocked there as on the host and uploaded.
 
 Dropout with a 2-D mask, GQA and every tail combination are supported. bf16 runs every BRGEMM
 on bf16 A and VNNI-packed bf16 B (vdpbf16ps on avx512_bf16 hosts; f32 accumulation): Q_i^T,
@@ -115,13 +125,16 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scal
     need = tuple(bool(x) for x in need)
     shape = (pr.b, pr.h, pr.sq, pr.d)
     do4, o4 = (_same(x, name, shape, pr) for x, name in ((dout, "dout"), (out, "out")))
-    lse = _host.host(lse, "lse")
+    lse = _on_problem_device(lse, "lse", pr)
     if tuple(lse.shape) != shape[:3] or _dtype(lse, "lse") != _dt.F32:
         raise ArgumentError(f"lse: expected f32 of shape {shape[:3]}, got {lse.dtype} "
                             f"{tuple(lse.shape)}")
-    lse = _numpy(_host.contiguous(lse))
+    lse = _host.contiguous(lse)
     if not any(need):
         return None, None, None
+    if pr.where is not None:
+        return _device_backward(pr, do4, o4, lse, need)
+    lse = _numpy(lse)
     dq = np.empty(shape, pr.dt.numpy)
     dk = np.empty((pr.b, pr.hk, pr.sk, pr.d), pr.dt.numpy)
     dv = np.empty_like(dk)
@@ -138,12 +151,22 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scal
 
 
 def _same(x, name, shape, pr):
-    x = _host.host(x, name)
+    x = _on_problem_device(x, name, pr)
     if tuple(x.shape) != shape:
         raise ArgumentError(f"{name}: expected q's shape {shape}, got {tuple(x.shape)}")
     if _dtype(x, name) != pr.dt:
         raise ArgumentError(f"{name}: expected {pr.dt} (q's dtype), got {x.dtype}")
-    return _numpy(_host.contiguous(x))
+    x = _host.contiguous(x)
+    return x if pr.where is not None else _numpy(x)
+
+
+def _on_problem_device(x, name, pr):
+    """x (host() with device data allowed) on the device of q, k and v: ArgumentError when it
+    lives elsewhere."""
+    x = _host.host(x, name, device=True)
+    if _host.on_device(x) != (pr.where is not None):
+        _host.same_device(q=pr.q, **{name: x})
+    return x
 
 
 # ---------------------------------------------------------------- argument handling
@@ -152,8 +175,22 @@ class _Problem:
     and the nest options."""
 
     def __init__(self, q, k, v, mask, causal, scale, dropout_p, seed, need_seed=False):
-        q, k, v = (_host.host(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        q, k, v = (_host.host(x, name, device=True) for x, name in ((q, "q"), (k, "k"),
+                                                                     (v, "v")))
         self.torch = _arrays.is_torch(q)
+        # the device of the data: None on the host; else the device path (_device_forward)
+        self.where = None
+        nd = np.ndarray
+        if not (type(q) is nd and type(k) is nd and type(v) is nd and (
+                mask is None or type(mask) is nd)) and not (
+                self.torch and q.is_cpu and getattr(k, "is_cpu", False) is True
+                and getattr(v, "is_cpu", False) is True
+                and (mask is None or getattr(mask, "is_cpu", False) is True)) and (
+                _host.on_device(q) or _host.on_device(k) or _host.on_device(v)
+                or (mask is not None and _host.on_device(mask))):
+            self.where = _host.same_device(q=q, k=k, v=v, mask=mask)
+            if self.where.is_host:
+                self.where = None
         for x, name in ((k, "k"), (v, "v")):
             if _arrays.is_torch(x) != self.torch:
                 raise ArgumentError(f"{name}: q, k and v must all be numpy arrays or all torch "
@@ -181,7 +218,10 @@ class _Problem:
             raise ArgumentError(f"head dim and key length must be >= 1, got D={d}, Sk={sk}")
         self.b, self.h, self.hk, self.sq, self.sk, self.d = b, h, hk, sq, sk, d
         self.group = h // hk
-        self.q, self.k, self.v = (_numpy(_host.contiguous(x)) for x in (q, k, v))
+        if self.where is None:
+            self.q, self.k, self.v = (_numpy(_host.contiguous(x)) for x in (q, k, v))
+        else:
+            self.q, self.k, self.v = (_host.contiguous(x) for x in (q, k, v))
         if not isinstance(causal, (bool, np.bool_)):
             raise ArgumentError(f"causal must be True or False, got {causal!r}")
         self.causal = bool(causal)
@@ -198,7 +238,8 @@ class _Problem:
                                  or not isinstance(seed, (int, np.integer))):
             raise ArgumentError(f"seed must be an int, got {seed!r}")
         self.seed = None if seed is None else int(seed) & ((1 << 64) - 1)
-        self.mask_kind, self.mask = _mask(mask, (b, h, sq, sk), self.dt)
+        self.mask_kind, self.mask = _mask(mask, (b, h, sq, sk), self.dt,
+                                          self.where is not None)
         # the backward's scratch holds f32 dQ accumulators and the packed query side of its
         # heads, O(hc * Sq * D): few heads per call when the sequence is long
         # and few enough blocks per call that the calls spread evenly over the threads, also
@@ -213,7 +254,7 @@ class _Problem:
     def options(self, mheads=1) -> K.Options:
         return K.Options(self.d, self.dt, self.hc, self.group, self.causal,
                          self.mask_kind == "key", self.mask_kind == "full", mheads, self.p,
-                         self.scale < 0)
+                         self.scale < 0, cuda=self.where is not None)
 
     @property
     def serial(self) -> bool:
@@ -266,11 +307,15 @@ def _result(arr, torch_out):
     return torch.from_numpy(arr)
 
 
-def _mask(mask, shape, dt):
+def _mask(mask, shape, dt, device=False):
     """(kind, additive f32 mask broadcast-ready as a 4-D numpy array): kind None, "key" (the
-    mask does not vary over the queries: (mb, mh, 1, Sk)) or "full"."""
+    mask does not vary over the queries: (mb, mh, 1, Sk)) or "full". A device mask (device:
+    the data is on a device) is read to the host here; the device path uploads the reblocked
+    additive masks (_device_masks)."""
     if mask is None:
         return None, None
+    if device:
+        mask = _mask_to_host(mask)
     mask = _host.host(mask, "mask")
     native = str(mask.dtype).split(".")[-1]
     mshape = tuple(int(n) for n in mask.shape)
@@ -293,6 +338,13 @@ def _mask(mask, shape, dt):
     add = add.reshape((1,) * (4 - len(mshape)) + mshape)
     kind = "key" if add.shape[2] == 1 else "full"
     return kind, add
+
+
+def _mask_to_host(mask):
+    """A device mask as host data (numpy, or a CPU torch tensor for torch)."""
+    if _arrays.is_torch(mask):
+        return mask.detach().cpu()
+    return _arrays.to_host(_arrays.as_array(mask, "mask"))
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -364,6 +416,8 @@ def _chunk(arr, c, count):
 # ---------------------------------------------------------------- forward
 def _forward(q, k, v, mask, causal, scale, dropout_p, seed):
     pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed)
+    if pr.where is not None:
+        return _device_forward(pr)
     b, h, hk, sq, sk, d, dt = pr.b, pr.h, pr.hk, pr.sq, pr.sk, pr.d, pr.dt
     out = np.empty((b, h, sq, d), dt.numpy)
     nq = -(-sq // BQ)
@@ -592,3 +646,232 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
         r = x3.shape[1] % block
         if r:
             x3[:, x3.shape[1] - r:] = tail_arr[:, :r]
+
+
+# ---------------------------------------------------------------- on a device
+# Device data (torch CUDA tensors, anything with __cuda_array_interface__: _host.host(...,
+# device=True)) runs the same nests (Options.cuda: the forward's variant without equations
+# that reduce over rows, see ops.attention_equations.scores_spec), called with device arrays,
+# so the runtime sends them to the device's backend: one launch per chunk of heads (per query
+# block too for 2-D masks), in order, no host threads. Scratch, tail blocks and the padded lse
+# are allocated on the device per call (the backend's allocator), tails are cut and pasted by
+# identity TPPs, the constants (scale, the tail's key mask, the ones row) are copied there once
+# per device. Masks are reblocked on the host (the data is read back once) and uploaded.
+# Arrays inside are torch tensors (torch data: kernels run on torch's stream) or
+# ops._host.DeviceView (anything else), viewed by element offsets (_dview).
+_DEVICE_CONSTANTS = None
+
+
+def _dbase(x):
+    """A torch CUDA tensor as it is, other device data as a DeviceView."""
+    return x if _arrays.is_torch(x) else _host.host(x, "array", device=True)
+
+
+def _dview(x, offset, shape, strides=None):
+    """The view of device array x (_dbase's kinds) `offset` elements past its first element,
+    of this shape and element strides (default C-contiguous)."""
+    shape = tuple(int(n) for n in shape)
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        strides = tuple(reversed(strides))
+    if _arrays.is_torch(x):
+        return x.as_strided(shape, strides, x.storage_offset() + offset)
+    return _host.DeviceView(x.obj, x.ptr + offset * x.dtype.itemsize, shape, strides, x.dtype,
+                            x.readonly, x.index)
+
+
+def _dnew(pr, shape, dt):
+    """An uninitialised device array (the backend's allocation) as _dbase gives it."""
+    return _dbase(_host.empty(shape, dt, pr.q))
+
+
+def _dcopy(src, dst, dt):
+    """dst[...] = src for 2-D device views of one shape (one unit stride each): identity TPP."""
+    m, n = (int(x) for x in src.shape)
+    if m and n:
+        tpp.unary("identity", m, n, dtype_in=dt)(src, out=dst)
+
+
+def _dconstant(pr, name, host_array):
+    """host_array copied to q's device once per (device, kind, name) and kept."""
+    global _DEVICE_CONSTANTS
+    if _DEVICE_CONSTANTS is None:
+        from tpp.runtime.lru import LRU
+        _DEVICE_CONSTANTS = LRU(32, "device_attention_constants")
+    key = (pr.where, pr.torch, name)
+    arr = _DEVICE_CONSTANTS.get(key)
+    if arr is None:
+        from tpp.runtime import registry
+        arr = _DEVICE_CONSTANTS[key] = _dbase(registry.for_device(pr.where).to_device(
+            np.ascontiguousarray(host_array), pr.where, pr.torch))
+    return arr
+
+
+def _dtail(pr, x3, block, heads):
+    """_tail on the device: the zero-padded last partial block of each head of x3 (N, S, D),
+    or an unused (heads, block, D) array when S is a multiple of block."""
+    n, s, d = (int(x) for x in x3.shape)
+    r = s % block
+    if r == 0:
+        return _dnew(pr, (heads, block, d), pr.dt)
+    t = _dbase(_host.zeros((n, block, d), pr.dt, pr.q))
+    _dcopy(_dview(x3, (s - r) * d, (n, r * d), (s * d, 1)),
+           _dview(t, 0, (n, r * d), (block * d, 1)), pr.dt)
+    return t
+
+
+def _dtail_back(pr, tail, x3, block):
+    """The valid rows of each head's tail block into the last rows of x3 (N, S, D)."""
+    n, s, d = (int(x) for x in x3.shape)
+    r = s % block
+    if r and n:
+        _dcopy(_dview(tail, 0, (n, r * d), (block * d, 1)),
+               _dview(x3, (s - r) * d, (n, r * d), (s * d, 1)), pr.dt)
+
+
+def _dchunk(arr, c, count):
+    """_chunk of a device array."""
+    if int(arr.shape[0]) <= count:
+        return arr
+    rest = tuple(int(x) for x in arr.shape[1:])
+    return _dview(arr, c * count * math.prod(rest), (count,) + rest)
+
+
+def _dheads(x, n, s, d):
+    """x (B, H, S, D) device data as (B * H, S, D)."""
+    return _dview(x, 0, (n, s, d))
+
+
+def _device_masks(pr, nq, nk):
+    """_mask_slabs with the reblocked masks uploaded once per call: the same function of
+    (chunk, query block), giving device views at the host views' offsets."""
+    masks, mheads = _mask_slabs(pr, nq, nk)
+    if masks is None:
+        return None, mheads
+    uploads = {}
+    from tpp.runtime import registry
+
+    def on_device(*index):
+        view = masks(*index)
+        base = view
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        dev = uploads.get(id(base))
+        if dev is None:
+            dev = uploads[id(base)] = (base, _dbase(registry.for_device(pr.where).to_device(
+                base, pr.where, pr.torch)))
+        base, dev = dev
+        item = view.dtype.itemsize
+        offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0])
+        return _dview(dev, offset // item, view.shape, tuple(x // item for x in view.strides))
+    return on_device, mheads
+
+
+def _device_forward(pr):
+    """_forward's work on pr.where: (out, lse) of q's kind on its device."""
+    b, h, hk, sq, sk, d, dt = pr.b, pr.h, pr.hk, pr.sq, pr.sk, pr.d, pr.dt
+    out = _host.empty((b, h, sq, d), dt, pr.q)
+    lse = _host.empty((b, h, sq), _dt.F32, pr.q)
+    if not (b * h and sq):
+        return out, lse
+    hc, g = pr.hc, pr.group
+    hkc = hc // g
+    nq, nk = -(-sq // BQ), -(-sk // BK)
+    out3 = _dheads(_dbase(out), b * h, sq, d)
+    q3, k3, v3 = (_dheads(pr.q, b * h, sq, d), _dheads(pr.k, b * hk, sk, d),
+                  _dheads(pr.v, b * hk, sk, d))
+    lse_p = _dnew(pr, (b * h, nq * BQ), _dt.F32)
+    qt, kt, vt = _dtail(pr, q3, BQ, hc), _dtail(pr, k3, BK, hkc), _dtail(pr, v3, BK, hkc)
+    outt = _dnew(pr, (b * h if sq % BQ else hc, BQ, d), dt)
+    arrays = {"cm": _dconstant(pr, ("cm", sk % BK), _key_tail_mask(sk)),
+              "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
+              "ones": _dconstant(pr, "ones", _ones()),
+              "qT": _dnew(pr, (hc, d, BQ), dt), "st": _dnew(pr, (hc, BK, BQ), _dt.F32),
+              "acc": _dnew(pr, (hc, BQ, d), _dt.F32)}
+    for name in ("m", "l", "alpha", "sf", "cx"):
+        arrays[name] = _dnew(pr, (hc, BQ), _dt.F32)
+    if K.vnni(pr.options()):
+        arrays.update(qV=_dnew(pr, (hc, (d + 1) // 2, 2 * BQ), dt),
+                      pb=_dnew(pr, (hc, BK, BQ), dt), vV=_dnew(pr, (hc, BK // 2, 2 * d), dt))
+    masks, mheads = _device_masks(pr, nq, nk)
+    nest = K.forward(pr.options(mheads))
+    for c in range(pr.chunks):
+        arrays.update(q=_dchunk(q3, c, hc), k=_dchunk(k3, c, hkc), v=_dchunk(v3, c, hkc),
+                      qt=_dchunk(qt, c, hc), kt=_dchunk(kt, c, hkc), vt=_dchunk(vt, c, hkc),
+                      out=_dchunk(out3, c, hc), outt=_dchunk(outt, c, hc),
+                      lse=_dchunk(lse_p, c, hc))
+        _run_chunk(pr, nest, arrays, c, masks, nq, None)
+    _dtail_back(pr, outt, out3, BQ)
+    _dcopy(_dview(lse_p, 0, (b * h, sq), (nq * BQ, 1)), _dview(_dbase(lse), 0, (b * h, sq)),
+           _dt.F32)
+    return out, lse
+
+
+def _device_backward(pr, do4, o4, lse, need):
+    """attention_backward's work on pr.where: (dq, dk, dv) of q's kind on its device."""
+    b, h, hk, sq, sk, d, dt = pr.b, pr.h, pr.hk, pr.sq, pr.sk, pr.d, pr.dt
+    if not (b * h and sq):
+        dq = _host.empty((b, h, sq, d), dt, pr.q)
+        dk = _host.zeros((b, hk, sk, d), dt, pr.q)
+        dv = _host.zeros((b, hk, sk, d), dt, pr.q)
+        return tuple(x if want else None for x, want in zip((dq, dk, dv), need))
+    dq, dk, dv = (_host.empty(shape, dt, pr.q) for shape in
+                  ((b, h, sq, d), (b, hk, sk, d), (b, hk, sk, d)))
+    hc, g = pr.hc, pr.group
+    hkc = hc // g
+    nq, nk = -(-sq // BQ), -(-sk // BK)
+    n, nkv = b * h, b * hk
+    q3, o3, do3 = (_dheads(_dbase(x), n, sq, d) for x in (pr.q, o4, do4))
+    k3, v3 = (_dheads(_dbase(x), nkv, sk, d) for x in (pr.k, pr.v))
+    dq3, dk3, dv3 = (_dheads(_dbase(dq), n, sq, d), _dheads(_dbase(dk), nkv, sk, d),
+                     _dheads(_dbase(dv), nkv, sk, d))
+    tails = {"qt": _dtail(pr, q3, BQ, hc), "ot": _dtail(pr, o3, BQ, hc),
+             "dot": _dtail(pr, do3, BQ, hc), "kt": _dtail(pr, k3, BK, hkc),
+             "vt": _dtail(pr, v3, BK, hkc)}
+    outs_t = {"dqt": _dnew(pr, (n if sq % BQ else hc, BQ, d), dt),
+              "dkt": _dnew(pr, (nkv if sk % BK else hkc, BK, d), dt),
+              "dvt": _dnew(pr, (nkv if sk % BK else hkc, BK, d), dt)}
+    # lse padded with +inf (padded queries get P = 0), as on the host
+    lse_p = _dnew(pr, (n, nq * BQ), _dt.F32)
+    tpp.unary("identity", n, nq * BQ, bcast="scalar")(
+        _dbase(_host.constant(math.inf, _dt.F32, pr.q)), out=lse_p)
+    _dcopy(_dview(_dbase(lse), 0, (n, sq)), _dview(lse_p, 0, (n, sq), (nq * BQ, 1)), _dt.F32)
+    per_block = pr.mask_kind == "full"
+    snq, snk = (1, nk) if per_block else (nq, 1)
+    arrays = {"cm": _dconstant(pr, ("cm", sk % BK), _key_tail_mask(sk)),
+              "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
+              "delta": _dnew(pr, (hc, snq * BQ), _dt.F32),
+              "gq": _dnew(pr, (hc, snq, BQ, d), _dt.F32),
+              "gk": _dnew(pr, (hkc, snk, BK, d), _dt.F32),
+              "gv": _dnew(pr, (hkc, snk, BK, d), _dt.F32),
+              "st": _dnew(pr, (hkc, BK, BQ), _dt.F32),
+              "dpt": _dnew(pr, (hkc, BK, BQ), _dt.F32)}
+    if K.vnni(pr.options()):
+        pairs = (d + 1) // 2
+        arrays.update(qT=_dnew(pr, (hc, d, BQ), dt),
+                      qV=_dnew(pr, (hc, snq, pairs, 2 * BQ), dt),
+                      doV=_dnew(pr, (hc, snq, pairs, 2 * BQ), dt),
+                      qN=_dnew(pr, (hc, snq, BQ // 2, 2 * d), dt),
+                      doN=_dnew(pr, (hc, snq, BQ // 2, 2 * d), dt),
+                      pb=_dnew(pr, (hkc, BK, BQ), dt), dsb=_dnew(pr, (hkc, BK, BQ), dt),
+                      kN=_dnew(pr, (hkc, BK // 2, 2 * d), dt))
+    else:
+        arrays.update(qT=_dnew(pr, (hc, snq, d, BQ), dt), doT=_dnew(pr, (hc, snq, d, BQ), dt))
+    masks, mheads = _device_masks(pr, nq, nk)
+    nest = K.backward(pr.options(mheads))
+    for c in range(pr.chunks):
+        arrays.update(q=_dchunk(q3, c, hc), o=_dchunk(o3, c, hc), do=_dchunk(do3, c, hc),
+                      k=_dchunk(k3, c, hkc), v=_dchunk(v3, c, hkc), lse=_dchunk(lse_p, c, hc),
+                      dq=_dchunk(dq3, c, hc), dk=_dchunk(dk3, c, hkc), dv=_dchunk(dv3, c, hkc))
+        for name, arr in tails.items():
+            arrays[name] = _dchunk(arr, c, hc if name[0] in "qod" else hkc)
+        for name, arr in outs_t.items():
+            arrays[name] = _dchunk(arr, c, hc if name == "dqt" else hkc)
+        _run_chunk(pr, nest, arrays, c, masks, nq, None)
+    _dtail_back(pr, outs_t["dqt"], dq3, BQ)
+    _dtail_back(pr, outs_t["dkt"], dk3, BK)
+    _dtail_back(pr, outs_t["dvt"], dv3, BK)
+    return tuple(x if want else None for x, want in zip((dq, dk, dv), need))

@@ -26,7 +26,9 @@ Contract differences with torch, by design:
     its math kernel does; its CPU flash kernel happens to combine the two).
 
 Served by torch's own scaled_dot_product_attention instead (torch's results, autograd and
-errors): tensors not on the CPU, dtypes other than float32 / bfloat16, nested tensors,
+errors): tensors neither on the CPU nor on a CUDA device the CUDA backend runs (cupy and a
+GPU: then the same operator runs there, see ops.flash_attention), tensors on different
+devices, dtypes other than float32 / bfloat16, nested tensors,
 tensor subclasses and modes with __torch_function__, inputs of fewer than 2 dims or of
 different ranks, leading dims that differ between query and key/value other than by GQA heads
 (torch broadcasts them), a value head size other than the query's, empty sizes, a mask that
@@ -86,9 +88,39 @@ def _d(t):
 
 
 def _takes(t) -> bool:
-    """Whether the TPP path takes this tensor: a plain strided CPU tensor, f32 or bf16."""
+    """Whether the TPP path takes this tensor: a plain strided tensor, f32 or bf16, on the CPU
+    or on a CUDA device the CUDA backend runs (_device_runs)."""
     return (isinstance(t, torch.Tensor) and not t.is_nested and t.layout is torch.strided
-            and t.is_cpu and t.dtype in _DTYPES)
+            and t.dtype in _DTYPES and (t.is_cpu or (t.is_cuda and _device_runs(t.device))))
+
+
+_RUNS: dict = {}        # torch.device -> whether the CUDA backend runs there
+
+
+def _device_runs(device) -> bool:
+    """Whether the CUDA backend (tpp_cuda, through the registry) can run on this CUDA device
+    (cupy and a GPU); torch's own kernels serve CUDA tensors where it cannot."""
+    runs = _RUNS.get(device)
+    if runs is None:
+        try:
+            from tpp.runtime import registry
+            from tpp.runtime.device import Device
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            runs = bool(registry.for_device(Device("cuda", index)).available())
+        except Exception:   # noqa: BLE001 - no backend, no driver: torch serves the call
+            runs = False
+        _RUNS[device] = runs
+    return runs
+
+
+def _one_device(*tensors) -> bool:
+    """Whether the tensors (None skipped) live on one device."""
+    for t in tensors:
+        if t is not None and not t.is_cpu:
+            break
+    else:
+        return True
+    return len({t.device for t in tensors if t is not None}) == 1
 
 
 def _wants_grad(*tensors) -> bool:
@@ -111,6 +143,8 @@ def _plan(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
     """The _Plan of a call, or None when torch's own kernel must serve it (see the module
     docstring's list; torch then computes the call or raises its own error)."""
     if not (_takes(query) and _takes(key) and _takes(value)):
+        return None
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) and not _one_device(query, key, value):
         return None
     if query.dtype != key.dtype or query.dtype != value.dtype:
         return None
@@ -152,7 +186,7 @@ def _plan(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
 def _mask4(mask, query, full, batch):
     """attn_mask as a 4-D tensor broadcastable to (B, H, L, S) (a view where its batch dims
     are all 1 or all full), or None when torch must serve it (see _plan)."""
-    if not (isinstance(mask, torch.Tensor) and not mask.is_nested and mask.is_cpu
+    if not (isinstance(mask, torch.Tensor) and not mask.is_nested and _one_device(query, mask)
             and mask.layout is torch.strided):
         return None
     if mask.dtype not in (torch.bool, torch.float32, query.dtype) or _wants_grad(mask):
@@ -327,6 +361,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if key.shape[bdim] != n or not (n and length and s):
             return None
         heads = self.num_heads
+        if not _one_device(query, key, value, self.in_proj_weight, self.out_proj.weight,
+                           key_padding_mask if isinstance(key_padding_mask, torch.Tensor)
+                           else None,
+                           attn_mask if isinstance(attn_mask, torch.Tensor) else None):
+            return None
         mask, causal = _mha_mask(key_padding_mask, attn_mask, is_causal, dtype, n, heads,
                                  length, s)
         if mask is False:
@@ -412,8 +451,8 @@ def _mha_mask(key_padding_mask, attn_mask, is_causal, dtype, n, heads, length, s
 
 
 def _mask_taken(mask, dtype) -> bool:
-    """Whether the fused path takes a MultiheadAttention mask: a plain CPU tensor, bool or of
-    the module's dtype, not requiring grad."""
-    return (not mask.is_nested and mask.is_cpu and mask.layout is torch.strided
+    """Whether the fused path takes a MultiheadAttention mask: a plain tensor (on the inputs'
+    device: _fused checks), bool or of the module's dtype, not requiring grad."""
+    return (not mask.is_nested and mask.layout is torch.strided
             and mask.dtype in (torch.bool, dtype) and not _wants_grad(mask)
             and not torch.overrides.has_torch_function((mask,)))
