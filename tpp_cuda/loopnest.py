@@ -280,21 +280,21 @@ class _Kernel:
                 count = span if step == 1 else f"({span} + {step - 1}LL) / {step}LL"
                 trips.append(f"({span} > 0 ? {count} : 0LL)")
         for k, t in zip(self.band, trips):
-            self.emit(depth, f"const long long n{k} = {t};   /* {self._level_name(k)} */")
-        total = " * ".join(f"n{k}" for k in self.band)
+            self.emit(depth, f"const long long trips{k} = {t};   /* {self._level_name(k)} */")
+        total = " * ".join(f"trips{k}" for k in self.band)
         self.emit(depth, f"const long long total = {total};")
         self.emit(depth, "for (long long it = blockIdx.x; it < total; it += gridDim.x) {")
         d = depth + 1
         self.emit(d, "long long rest = it;")
         for k in reversed(self.band):
-            self.emit(d, f"const long long d{k} = rest % n{k};")
-            self.emit(d, f"rest /= n{k};")
+            self.emit(d, f"const long long index{k} = rest % trips{k};")
+            self.emit(d, f"rest /= trips{k};")
         self.emit(d, "(void)rest;")
         for k in self.band:
             lv = spec.levels[k]
             loop, var = _loop(spec, lv), f"{lv.letter}{lv.level}"
             base = f"{loop.start}LL" if lv.level == 0 else inner[lv.letter]
-            self.emit(d, f"const long long {var} = {base} + d{k} * "
+            self.emit(d, f"const long long {var} = {base} + index{k} * "
                          f"{loop.level_step(lv.level)}LL;")
             inner[lv.letter] = var
             if lv.level > 0:     # the parent's block may pass the stop (block-uniform skip)
