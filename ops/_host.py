@@ -46,7 +46,8 @@ def host(x, name: str, device: bool = False):
             raise UnsupportedError(f"{_operator()}: {name} is on {where} "
                                    f"({type(x).__name__}); this operator runs on the CPU only "
                                    f"(on a GPU: ops.matmul, ops.linear, the MLP, ops.pack_kn / "
-                                   f"pack_nk, ops.blocked, the norms and softmax of ops.norms)")
+                                   f"pack_nk, ops.blocked, the norms and softmax, attention, "
+                                   f"conv2d)")
         return arr if arrays.is_torch(arr) else DeviceView.of(arr)
     if arr is x and arrays.is_torch(x) and t.__module__.startswith("torch"):
         _CPU_TENSOR_TYPES.add(t)     # torch.Tensor, torch.nn.Parameter

@@ -7,6 +7,14 @@ x (N, C, H, W), w (K, C/groups, R, S), bias (K,) numpy arrays or torch CPU tenso
 bf16 (f32 accumulation, bf16 results). Any stride, dilation and groups (depthwise included),
 padding an int, a pair, a 4-tuple (top, bottom, left, right), "same" or "valid".
 
+On a GPU: the same calls (and the blocked helpers below) take device arrays (torch CUDA
+tensors, cupy, anything with `__cuda_array_interface__`) and return the input's kind on its
+device: every step above runs as the same loop nest, dispatched to the device's backend by
+tpp.runtime.loops.CompiledNest (the zeroed frames and accumulators by the zero TPP, the bias
+gradient's row of ones copied to the device once per device). Operands on different devices
+(x, weight, bias, dy, packed, xb): ArgumentError naming them. Device data must be
+C-contiguous, except 2-D arrays and torch tensors (_host.contiguous).
+
 Blocked chains (no per-layer conversion; ops.conv, not re-exported):
     xb = ops.conv.blocked(x, padding=1)                    # a BlockedActivation, framed
     pw = ops.conv.pack_weight(w, 1, tpp.F32)               # a BlockedWeight, packed once
@@ -47,13 +55,15 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import tpp
-from tpp.runtime import arrays
+from tpp.runtime import arrays, registry
 from tpp.core import checks
 from tpp.core import dtypes as _dt
 from tpp.core.brgemm_spec import ACTIVATIONS
 from tpp.core.errors import ArgumentError
-from tpp.runtime.lru import also_clear
+from tpp.runtime.lru import LRU, also_clear
 
 from . import _host
 from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weight, ...)
@@ -116,7 +126,8 @@ def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
     blocks span image rows (full BRGEMMs, a parallel pixel loop)."""
     if (r, s, sh, sw, hp, wp, tuple(frame)) == (1, 1, 1, 1, p, q, (0, 0, 0, 0)) and p > 1:
         args = [a if len(a.shape) != 5 else
-                a.reshape(a.shape[0], a.shape[1], 1, p * q, a.shape[4]) for a in args]
+                _host.reshape(a, (a.shape[0], a.shape[1], 1, p * q, a.shape[4]))
+                for a in args]
         hp, wp, p, q = 1, p * q, 1, p * q
     return make(hp, wp, p, q), args
 
@@ -186,10 +197,35 @@ def _ones(n, dtype):
     return ones
 
 
+_DEVICE_ONES = LRU(16, "device_conv_ones")  # (Device, n, DType, torch?) -> n ones there
+
+
+def _ones_like(n, dtype, like):
+    """n ones of dtype where `like` lives (the host's cached array; on a device a copy made
+    there once per device, dtype and kind, then reused, like _host.constant)."""
+    if not _host.on_device(like):
+        return _ones(n, dtype)
+    where, torch_kind = _host.device_of(like), arrays.is_torch(like)
+    key = (where, n, dtype, torch_kind)
+    ones = _DEVICE_ONES.get(key)
+    if ones is None:
+        ones = _DEVICE_ONES[key] = registry.for_device(where).to_device(
+            _ones(n, dtype), where, torch_kind)
+    return ones
+
+
 # ------------------------------------------------------------------ checks
-def _inputs(x, w, bias, name_x="x"):
-    x = _host.host(x, name_x)
-    w = _host.host(w, "weight")
+def _inputs(x, w, bias, name_x="x", dy=None):
+    """x, w (C-contiguous), bias and dy after the checks: numpy / CPU torch, or all on one
+    device (ArgumentError naming a mix)."""
+    x = _host.host(x, name_x, device=True)
+    w = _host.host(w, "weight", device=True)
+    if bias is not None:
+        bias = _host.host(bias, "bias", device=True)
+    if dy is not None:
+        dy = _host.host(dy, "dy", device=True)
+    if not (_on_host(x) and _on_host(w) and _on_host(bias) and _on_host(dy)):
+        _host.same_device(**{name_x: x, "weight": w, "bias": bias, "dy": dy})
     dt = _host.dtype_of(x, name_x)
     if dt not in (_dt.F32, _dt.BF16):
         raise ArgumentError(f"{name_x}: conv2d takes f32 or bf16 data, got {dt}")
@@ -198,11 +234,20 @@ def _inputs(x, w, bias, name_x="x"):
     if arrays.is_torch(x) != arrays.is_torch(w):
         raise ArgumentError(f"{name_x} and the weight must both be numpy arrays or both torch "
                             f"tensors")
-    if bias is not None:
-        bias = _host.host(bias, "bias")
-        if _host.dtype_of(bias, "bias") not in (_dt.F32, dt):
-            raise ArgumentError(f"bias: expected {dt} or f32, got {bias.dtype}")
+    if bias is not None and _host.dtype_of(bias, "bias") not in (_dt.F32, dt):
+        raise ArgumentError(f"bias: expected {dt} or f32, got {bias.dtype}")
+    if dy is not None:
+        return _host.contiguous(x), _host.contiguous(w), bias, _host.contiguous(dy)
     return _host.contiguous(x), _host.contiguous(w), bias
+
+
+_NDARRAY = np.ndarray
+
+
+def _on_host(a) -> bool:
+    """Whether a (as _host.host(..., device=True) returned it, or None) is host data: numpy
+    and CPU tensors answer at once."""
+    return a is None or type(a) is _NDARRAY or not _host.on_device(a)
 
 
 
@@ -228,8 +273,8 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
     geo = geometry(tuple(x.shape), tuple(weight.shape), dt, stride, padding, dilation, groups)
     if bias is not None and tuple(bias.shape) != (geo.k,):
         raise ArgumentError(f"bias: expected shape ({geo.k},), got {tuple(bias.shape)}")
-    xb = to_blocked(x, geo)
     wb = _check_packed(packed, weight, geo, False) or pack_weight(weight, geo.groups, dt)
+    xb = to_blocked(x, geo)
     return _forward(xb.data, wb.data, bias, geo, activation, x), xb
 
 
@@ -238,6 +283,8 @@ def _check_packed(packed, weight, geo, transposed):
     when packed is None; else an ArgumentError."""
     if packed is None:
         return None
+    if isinstance(packed, BlockedWeight) and not (_on_host(weight) and _on_host(packed.data)):
+        _host.same_device(weight=weight, packed=packed.data)
     if (not isinstance(packed, BlockedWeight) or packed.shape != tuple(weight.shape)
             or packed.groups != geo.groups or packed.transposed != transposed
             or _host.dtype_of(packed.data, "packed") != geo.dtype):
@@ -292,8 +339,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     frame this layer's padding): each is then not made again."""
     if unknown:
         _host.reject_unknown(conv2d_backward, unknown)
-    x, weight, _ = _inputs(x, weight, None)
-    dy = _host.contiguous(_host.host(dy, "dy"))
+    x, weight, _, dy = _inputs(x, weight, None, dy=dy)
     dt = _host.dtype_of(x, "x")
     if _host.dtype_of(dy, "dy") != dt:
         raise ArgumentError(f"dy is {dy.dtype} but x is {x.dtype}; use one dtype")
@@ -305,6 +351,10 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         raise ArgumentError(f"dy: expected shape {(n, geo.k, geo.p, geo.q)}, got "
                             f"{tuple(dy.shape)}")
     need_dx, need_dw, need_db = (bool(v) for v in need)
+    packed = _check_packed(packed, weight, geo, True) if need_dx else None
+    if need_dw and isinstance(xb, BlockedActivation) and not (_on_host(x) and
+                                                              _on_host(xb.data)):
+        _host.same_device(x=x, xb=xb.data)
     dx = dw = db = None
     # dy in the output layout (its blocks are the data gradient's input blocks)
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
@@ -317,8 +367,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         tgeo = Geometry(geo.k, geo.c, frame[0], frame[1], geo.r, geo.s, geo.groups, (1, 1),
                         (0, 0, 0, 0), geo.dilation, dt)
         # tgeo.p, tgeo.q == geo.hp, geo.wp
-        wbt = (_check_packed(packed, weight, geo, True)
-               or pack_weight(weight, geo.groups, dt, transposed=True))
+        wbt = packed or pack_weight(weight, geo.groups, dt, transposed=True)
         dxp = _conv_padded(dyb.data, wbt.data, tgeo, geo, x)
         dx = _host.empty(tuple(x.shape), dt, x)
         from_blocked(dxp, geo.c, geo.groups, geo.bc, geo.h, geo.w, dx,
@@ -344,7 +393,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
                      dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
         dw = _host.empty(tuple(weight.shape), dt, x)
         _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
-            *([dwt, dw.reshape(geo.k, geo.cg, geo.r * geo.s)] +
+            *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +
               ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])), threads=1)
     if need_db:
         bk = geo.bk
@@ -352,7 +401,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         dbp = _host.zeros((kbt * bk,), _dt.F32, x)
         pq = geo.p * geo.q
         if n:
-            _db_nest(kbt, bk, pq, dt)(_ones(pq, dt), dyb0.reshape(n, kbt, pq, bk), dbp,
+            _db_nest(kbt, bk, pq, dt)(_ones_like(pq, dt, x),
+                                      _host.reshape(dyb0, (n, kbt, pq, bk)), dbp,
                                       threads=_threads(2.0 * _size(dy)))
         db = _host.empty((geo.k,), dt, x)
         _vector_nest(geo.groups, geo.kg, kbt // geo.groups * bk, _dt.F32, dt, False)(
@@ -399,7 +449,7 @@ def conv2d_blocked(xb, weight, bias=None, *, stride=1, padding=0, dilation=1, gr
             raise ArgumentError("weight: a BlockedWeight packed for another use")
         dt = _host.dtype_of(weight.data, "weight")
     else:
-        weight = _host.contiguous(_host.host(weight, "weight"))
+        weight = _host.contiguous(_host.host(weight, "weight", device=True))
         wshape, dt, packed = tuple(weight.shape), _host.dtype_of(weight, "weight"), None
     if _host.dtype_of(xb.data, "xb") != dt or dt not in (_dt.F32, _dt.BF16):
         raise ArgumentError(f"xb is {xb.data.dtype} and the weight {dt}: one dtype, f32 or "
@@ -413,9 +463,12 @@ def conv2d_blocked(xb, weight, bias=None, *, stride=1, padding=0, dilation=1, gr
                             f"groups={xb.groups}; this layer reads {geo.pad}, {geo.bc}, "
                             f"{geo.groups} (convert with to_blocked)")
     if bias is not None:
-        bias = _host.host(bias, "bias")
+        bias = _host.host(bias, "bias", device=True)
         if tuple(bias.shape) != (geo.k,):
             raise ArgumentError(f"bias: expected shape ({geo.k},), got {tuple(bias.shape)}")
+    wdata = packed.data if packed is not None else weight
+    if not (_on_host(xb.data) and _on_host(wdata) and _on_host(bias)):
+        _host.same_device(xb=xb.data, weight=wdata, bias=bias)
     if packed is None:
         packed = pack_weight(weight, geo.groups, dt)
     frame = _padding(out_padding, 1, 1, (1, 1), (1, 1))
@@ -439,7 +492,7 @@ def blocked(x, *, padding=0, groups=1, **unknown) -> BlockedActivation:
     pair or a 4-tuple) and groups."""
     if unknown:
         _host.reject_unknown(blocked, unknown)
-    x = _host.contiguous(_host.host(x, "x"))
+    x = _host.contiguous(_host.host(x, "x", device=True))
     dt = _host.dtype_of(x, "x")
     if dt not in (_dt.F32, _dt.BF16):
         raise ArgumentError(f"x: f32 or bf16, got {dt}")

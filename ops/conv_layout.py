@@ -9,10 +9,10 @@ BLOCK. Every conversion is a nest of transpose / identity / vnni2 primitives.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import tpp
-from tpp.runtime import arrays
 from tpp.core import checks
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError
@@ -327,7 +327,7 @@ def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
     bc, bk = block(cg, dtype), block(kg, dtype)
     cgp, kgp = -(-cg // bc) * bc, -(-kg // bk) * bk
     rs = r * s
-    w3 = _host.contiguous(w).reshape(k, cg, rs)
+    w3 = _host.reshape(_host.contiguous(w), (k, cg, rs))
     if transposed:
         wt = _host.zeros((groups, kgp, rs, cgp), dtype, w)
         _weight_rows_nest(k, cg, rs, groups, kgp, cgp, True, dtype)(w3, wt, threads=1)
@@ -354,4 +354,4 @@ def _pad_bias(bias, groups, kg, bk, like):
     return bp
 
 def _size(a):
-    return a.numel() if arrays.is_torch(a) else a.size
+    return math.prod(a.shape)

@@ -12,13 +12,18 @@ asks for: data, weight, bias). Conv2d packs its weight once (forward and, at the
 backward, the data gradient's layout) and repacks when the weight's version counter moves
 (an in-place update such as an optimizer step) or the parameter is replaced.
 
-Served by torch's own implementation instead (same results, torch's autograd): tensors not on
-the CPU, dtypes other than float32 / bfloat16 (float64, float16, ...) or mixed dtypes, empty
-tensors, inputs that are not 3-D or 4-D, padding_mode other than "zeros" (the module), and a
-backward that must itself be differentiable (create_graph=True: the gradients are recomputed
-with torch's operators). Every groups value is served (groups 1, grouped and depthwise; the
-depthwise case runs 1-channel blocks, correct but not yet fast). Invalid hyper-parameters
-raise tpp.core.errors.ArgumentError (a ValueError).
+CUDA tensors run the same nests on their GPU (ops.conv's device path: the results on the
+input's device, the module's packed weights kept per device; tensors on different devices:
+ArgumentError naming them).
+
+Served by torch's own implementation instead (same results, torch's autograd): tensors
+neither on the CPU nor on a CUDA device, dtypes other than float32 / bfloat16 (float64,
+float16, ...) or mixed dtypes, empty tensors, inputs that are not 3-D or 4-D, padding_mode
+other than "zeros" (the module), and a backward that must itself be differentiable
+(create_graph=True: the gradients are recomputed with torch's operators). Every groups
+value is served (groups 1, grouped and depthwise; the depthwise case runs 1-channel blocks,
+correct but not yet fast). Invalid hyper-parameters raise tpp.core.errors.ArgumentError (a
+ValueError).
 """
 from __future__ import annotations
 
@@ -34,12 +39,21 @@ F = torch.nn.functional
 
 
 def _servable(x, weight, bias) -> bool:
+    """Whether the TPP path takes these tensors: f32 / bf16 of one dtype on the CPU or a CUDA
+    device (ops.conv runs its nests there; a mix of devices is its ArgumentError)."""
     if x.dim() not in (3, 4) or weight.dim() != 4 or x.numel() == 0:
         return False
     for t in (x, weight, bias):
-        if t is not None and (not t.is_cpu or t.dtype != x.dtype or t.dtype not in _DTYPES):
+        if t is not None and (t.dtype != x.dtype or t.dtype not in _DTYPES
+                              or not (t.is_cpu or t.is_cuda)):
             return False
     return True
+
+
+def _key(w):
+    """The key of a weight's packed copies: _weight_key, with the device for a weight off the
+    CPU (a parameter moved by module.to(...) is packed again, on its new device)."""
+    return _weight_key(w) if w.is_cpu else (w.device, _weight_key(w))
 
 
 def _d(t):
@@ -86,7 +100,7 @@ class Conv2dFunction(torch.autograd.Function):
             return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy),
                     None, None, None, None, None)
         packed = None
-        if need[0] and packs is not None and packs.key == _weight_key(weight):
+        if need[0] and packs is not None and packs.key == _key(weight):
             if packs.transposed is None:
                 packs.transposed = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
                     weight, "weight"), transposed=True)
@@ -134,8 +148,8 @@ class Conv2d(torch.nn.Conv2d):
             return super().forward(input)
         w = self.weight
         packs = None
-        if w.is_cpu and w.dtype in _DTYPES and w.dim() == 4:
-            key = _weight_key(w)
+        if (w.is_cpu or w.is_cuda) and w.dtype in _DTYPES and w.dim() == 4:
+            key = _key(w)
             packs = self._tpp_packs
             if packs is None or packs.key != key:
                 # src shares the weight's storage: holding it keeps the address from reuse
