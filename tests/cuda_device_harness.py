@@ -28,6 +28,7 @@ sees code or memory another test's routing made.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -152,3 +153,35 @@ def _clear_device_caches():
     for cache in lru._live():
         if cache.name.startswith("device_") or cache.name == "cuda_functions":
             cache.clear()
+
+
+@functools.lru_cache(maxsize=1)
+def fake_cuda_class():
+    """FakeCuda(shape, dtype=torch.float32, requires_grad=False): a torch tensor that says it
+    is on cuda:0 (metadata only: no storage, no GPU needed), to check that torch CUDA tensors
+    reach the CUDA path; detach/alias/view/reshape give FakeCuda tensors of the new shape,
+    anything else raises (it would need a GPU). Needs torch."""
+    import torch
+
+    class FakeCuda(torch.Tensor):
+        __module__ = "torch._fake_cuda"     # so the runtime sees a torch tensor
+
+        @staticmethod
+        def __new__(cls, shape, dtype=torch.float32, requires_grad=False):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cuda",
+                                                       requires_grad=requires_grad)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+                return FakeCuda(args[0].shape, args[0].dtype)
+            if func in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                        torch.ops.aten.reshape.default):
+                shape = [int(d) for d in args[1]]
+                if -1 in shape:
+                    known = int(np.prod([d for d in shape if d != -1]))
+                    shape = [args[0].numel() // known if d == -1 else d for d in shape]
+                return FakeCuda(torch.Size(shape), args[0].dtype)
+            raise RuntimeError(f"FakeCuda: {func} needs a GPU")
+
+    return FakeCuda

@@ -15,7 +15,8 @@ import ops
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError
 
-from cuda_device_harness import HostDevice, available, emulated_cuda, host_of  # noqa: F401
+from cuda_device_harness import (HostDevice, available, emulated_cuda, fake_cuda_class,  # noqa: F401
+                                 host_of)
 
 pytestmark = pytest.mark.skipif(not available(), reason="g++ or the CUDA headers are missing")
 
@@ -160,17 +161,7 @@ def test_torch_cuda_tensors_without_a_usable_backend_go_to_torch():
     if runtime.available():
         pytest.skip("a GPU is visible")
 
-    class FakeCuda(torch.Tensor):
-        __module__ = "torch._fake_cuda"
-
-        @staticmethod
-        def __new__(cls, shape):
-            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32,
-                                                       device="cuda")
-
-        @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-            raise RuntimeError(f"FakeCuda: {func} needs a GPU")
+    FakeCuda = fake_cuda_class()
 
     x = FakeCuda((1, 2, 8, D))
     assert ta._plan(x, x, x, None, 0.0, None, False) is None

@@ -19,7 +19,8 @@ from ops import conv as oc
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError, UnsupportedError
 
-from cuda_device_harness import HostDevice, available, emulated_cuda, host_of  # noqa: F401
+from cuda_device_harness import (HostDevice, available, emulated_cuda, fake_cuda_class,  # noqa: F401
+                                 host_of)
 
 pytestmark = pytest.mark.skipif(not available(), reason="g++ or the CUDA headers are missing")
 
@@ -170,24 +171,7 @@ def test_mixed_host_and_device_operands_are_named(emulated_cuda):
 torch = pytest.importorskip("torch")
 
 
-class FakeCuda(torch.Tensor):
-    """A tensor that says it is on cuda:0 (metadata only: no storage, no GPU needed); views
-    and reshapes give FakeCuda tensors of the new shape."""
-    __module__ = "torch._fake_cuda"     # so the runtime sees a torch tensor
-
-    @staticmethod
-    def __new__(cls, shape, dtype=torch.float32, requires_grad=False):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cuda",
-                                                   requires_grad=requires_grad)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return FakeCuda(args[0].shape, args[0].dtype)
-        if func in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-                    torch.ops.aten.reshape.default):
-            return FakeCuda(torch.Size([int(d) for d in args[1]]), args[0].dtype)
-        raise RuntimeError(f"FakeCuda: {func} needs a GPU")
+FakeCuda = fake_cuda_class()
 
 
 def _no_gpu():

@@ -20,7 +20,8 @@ from ops import residual_norm
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError, UnsupportedError
 
-from cuda_device_harness import HostDevice, available, emulated_cuda, host_of  # noqa: F401
+from cuda_device_harness import (HostDevice, available, emulated_cuda, fake_cuda_class,  # noqa: F401
+                                 host_of)
 
 pytestmark = pytest.mark.skipif(not available(), reason="g++ or the CUDA headers are missing")
 
@@ -212,28 +213,7 @@ def test_mixed_host_and_device_operands_are_named(emulated_cuda):
 torch = pytest.importorskip("torch")
 
 
-class FakeCuda(torch.Tensor):
-    """A tensor that says it is on cuda:0 (metadata only: no storage, no GPU needed); views
-    and reshapes give FakeCuda tensors of the new shape."""
-    __module__ = "torch._fake_cuda"     # so the runtime sees a torch tensor
-
-    @staticmethod
-    def __new__(cls, shape, dtype=torch.float32, requires_grad=False):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cuda",
-                                                   requires_grad=requires_grad)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return FakeCuda(args[0].shape, args[0].dtype)
-        if func in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-                    torch.ops.aten.reshape.default):
-            shape = torch.Size([int(d) for d in args[1]])
-            if -1 in shape:
-                known = int(np.prod([d for d in shape if d != -1]))
-                shape = torch.Size([args[0].numel() // known if d == -1 else d for d in shape])
-            return FakeCuda(shape, args[0].dtype)
-        raise RuntimeError(f"FakeCuda: {func} needs a GPU")
+FakeCuda = fake_cuda_class()
 
 
 def _no_gpu():

@@ -17,7 +17,8 @@ import tpp
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError, UnsupportedError
 
-from cuda_device_harness import CaiOnly, HostDevice, available, emulated_cuda, host_of  # noqa: F401
+from cuda_device_harness import (CaiOnly, HostDevice, available, emulated_cuda,  # noqa: F401
+                                 fake_cuda_class, host_of)
 
 pytestmark = pytest.mark.skipif(not available(), reason="g++ or the CUDA headers are missing")
 
@@ -174,20 +175,7 @@ def test_mixed_host_and_device_operands_are_named(emulated_cuda):
 torch = pytest.importorskip("torch")
 
 
-class FakeCuda(torch.Tensor):
-    """A tensor that says it is on cuda:0 (metadata only: no storage, no GPU needed)."""
-    __module__ = "torch._fake_cuda"     # so the runtime sees a torch tensor
-
-    @staticmethod
-    def __new__(cls, shape, dtype=torch.float32, requires_grad=False):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cuda",
-                                                   requires_grad=requires_grad)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            return FakeCuda(args[0].shape, args[0].dtype)
-        raise RuntimeError(f"FakeCuda: {func} needs a GPU")
+FakeCuda = fake_cuda_class()
 
 
 def test_torch_cuda_tensors_reach_the_cuda_backend():
