@@ -92,12 +92,11 @@ from . import _host
 from .blocked import column_sums
 from .norm_graphs import _BUILDERS, _grad, _lean, _saved  # noqa: F401  (ops.residual_norm uses them)
 from .norm_graphs import per_row_terms
+from .norm_args import (MAX_GRAD_COLS, _dtype, _eps, _grad_cols, _need,  # noqa: F401
+                        _np_empty, _param_dtype, _rows, _same_rows, _scalar, _stats, _vector)
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "sigmoid", "tanh", "silu")
-_DTYPES = (_dt.F32, _dt.BF16)
 _SERIAL_ELEMENTS = 1 << 16      # smaller problems run on one thread (waking the team costs more)
-MAX_GRAD_COLS = 1 << 16         # an axis-0 reduction keeps n f32 per block (equations' limit)
-_SCALARS: dict = {}             # value -> its read-only (1,) f32 array (eps, scale)
 
 
 def block_rows(n: int) -> int:
@@ -210,122 +209,6 @@ STREAM_BYTES = 8 << 20
 
 
 also_clear(_nest.cache_clear)      # tpp.clear_caches() empties it too
-
-
-# ---------------------------------------------------------------- argument handling
-def _rows(x, name):
-    """(x as a C-contiguous (M, n) array, leading shape, dtype)."""
-    x = _host.host(x, name, device=True)
-    shape = tuple(x.shape)
-    if len(shape) < 1:
-        raise ArgumentError(f"{name}: expected an array of shape (..., n), got a 0-d one")
-    if shape[-1] < 1:
-        raise ArgumentError(f"{name}: the last axis (n) is empty: shape {shape}")
-    dt = _dtype(x, name)
-    x2, lead = _host.rows(x, shape[-1], name)
-    return x2, lead, dt
-
-
-_KNOWN_DTYPES: dict = {}      # numpy / torch dtype object -> F32 or BF16 (those seen before)
-
-
-def _dtype(x, name):
-    native = getattr(x, "dtype", None)
-    try:
-        dt = _KNOWN_DTYPES.get(native)
-    except TypeError:   # unhashable
-        dt = None
-    if dt is not None:
-        return dt
-    try:
-        dt = _dt.lookup(native)
-    except Exception:   # noqa: BLE001 - any dtype tpp does not know
-        dt = None
-    if dt in _DTYPES:
-        _KNOWN_DTYPES[native] = dt
-    else:
-        raise ArgumentError(f"{name}: expected f32 or bf16 data, got {x.dtype}")
-    return dt
-
-
-def _vector(v, n, name):
-    """v, an (n,) f32 or bf16 array, contiguous; None stays None."""
-    if v is None:
-        return None
-    v = _host.host(v, name, device=True)
-    if tuple(v.shape) != (n,):
-        raise ArgumentError(f"{name}: expected shape ({n},) (the last axis of x), got "
-                            f"{tuple(v.shape)}")
-    _dtype(v, name)
-    return _host.contiguous(v)
-
-
-def _param_dtype(weight, bias, dt):
-    dts = {_dtype(v, "weight") for v in (weight, bias) if v is not None}
-    if len(dts) > 1:
-        raise ArgumentError(f"weight and bias must have one dtype, got {sorted(map(str, dts))}")
-    return dts.pop() if dts else dt
-
-
-def _eps(eps, name="eps"):
-    if isinstance(eps, bool):
-        raise ArgumentError(f"{name} must be a number, got {eps!r}")
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"{name} must be a number, got {eps!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ArgumentError(f"{name} must be finite and >= 0, got {eps!r}")
-    return value
-
-
-def _scalar(value):
-    got = _SCALARS.get(value)
-    if got is None:
-        if len(_SCALARS) >= 64:
-            _SCALARS.clear()
-        got = _SCALARS[value] = np.full(1, value, np.float32)
-        got.flags.writeable = False
-    return got
-
-
-def _grad_cols(n, what):
-    if n > MAX_GRAD_COLS:
-        raise ArgumentError(f"{what}: the parameter gradients are equation reductions over the "
-                            f"rows, limited to n <= {MAX_GRAD_COLS} columns; got n = {n}")
-
-
-def _same_rows(a, like, m, n, name, dt=None):
-    """a as (m, n) rows of like's leading shape (it must have x's shape)."""
-    a = _host.host(a, name, device=True)
-    if tuple(a.shape) != tuple(like.shape):
-        raise ArgumentError(f"{name}: expected shape {tuple(like.shape)}, got "
-                            f"{tuple(a.shape)}")
-    got = _dtype(a, name)
-    if dt is not None and got != dt:
-        raise ArgumentError(f"{name}: expected {dt} (the dtype of the forward's data), got "
-                            f"{got}")
-    return _host.contiguous(a).reshape(m, n)
-
-
-def _stats(s, lead, m, name):
-    s = _host.host(s, name, device=True)
-    if tuple(s.shape) not in (tuple(lead), (m,)):
-        raise ArgumentError(f"{name}: expected shape {tuple(lead)} (x's leading shape), got "
-                            f"{tuple(s.shape)}")
-    if _host.dtype_of(s, name) != _dt.F32:
-        raise ArgumentError(f"{name}: expected f32 statistics, got {s.dtype}")
-    return _host.contiguous(s).reshape(m)
-
-
-def _need(need, count):
-    if not isinstance(need, (tuple, list)) or len(need) != count:
-        raise ArgumentError(f"need must be a tuple of {count} bools, got {need!r}")
-    return tuple(bool(v) for v in need)
-
-
-def _np_empty(shape, dtype, like):
-    return np.empty(shape, dtype.numpy)
 
 
 def _run(kind, n, options, arrays, outputs, like, m, seed=None):
