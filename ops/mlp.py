@@ -9,11 +9,13 @@ for training the pre-activation z is kept and the activation runs as a unary TPP
 tile in the same nest, right after the tile's BRGEMM (ops.matmul.linear_keep).
 Backward, with dz = act_inv(dy, z) (the activation's backward TPP):
     dx = dz @ w              BRGEMM nest over w packed as a (N, K) right operand
-    dw = dz.T @ x            a BRGEMM nest reading dz transposed (trans_a) and x as it is
+    dw = dz.T @ x            host arrays of 64+ rows: one GEMM over packed operands (dz's
+                             64-row blocks transposed, x in 64 x 64 tiles; weight_grad_packed);
+                             else a BRGEMM nest reading dz transposed (trans_a) and x as it is
     db = dz.sum(axis=0)      a BRGEMM nest of a ones row by dz (ops.blocked.column_sums)
 x (M, K) and w (N, K) are f32, or bf16 (f32 accumulation, bf16 results, as torch does). Every
-nest takes M at call time: a layer compiles once per (weight shape, dtype, activation), and a
-new M (batch, sequence length) compiles nothing. All of it runs on a GPU too, for device
+nest takes M at call time: a layer compiles once per (weight shape, dtype, activation) (dw's
+two forms once each), and a new M (batch, sequence length) compiles nothing. All of it runs on a GPU too, for device
 arrays (ops.matmul's device path; results of the inputs' kind on their device); operands on
 different devices are an ArgumentError.
 """

@@ -185,3 +185,10 @@ def fake_cuda_class():
             raise RuntimeError(f"FakeCuda: {func} needs a GPU")
 
     return FakeCuda
+
+
+def skip_if_gpu():
+    """Skip a test of what happens without a GPU when one is usable here (then
+    tests/test_cuda_runtime.py runs the real thing)."""
+    if runtime.available():
+        pytest.skip("a GPU is visible: tests/test_cuda_runtime.py runs the real thing")

@@ -20,7 +20,7 @@ from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError, UnsupportedError
 
 from cuda_device_harness import (HostDevice, available, emulated_cuda, fake_cuda_class,  # noqa: F401
-                                 host_of)
+                                 host_of, skip_if_gpu)
 
 pytestmark = pytest.mark.skipif(not available(), reason="g++ or the CUDA headers are missing")
 
@@ -174,17 +174,11 @@ torch = pytest.importorskip("torch")
 FakeCuda = fake_cuda_class()
 
 
-def _no_gpu():
-    from tpp_cuda import runtime
-    if runtime.available():
-        pytest.skip("a GPU is visible: tests/test_cuda_runtime.py runs the real thing")
-
-
 def test_torch_cuda_tensors_reach_the_cuda_backend():
     """CUDA tensors take ops.conv's device path (not torch's): without a GPU the CUDA backend
     refuses them, clearly."""
     import ops.torch as ot
-    _no_gpu()
+    skip_if_gpu()
     x, w, b = FakeCuda((1, 4, 5, 5)), FakeCuda((6, 4, 3, 3)), FakeCuda((6,))
     for call in (lambda: ot.conv2d(x, w, b, padding=1), lambda: ops.conv2d(x, w, b),
                  lambda: ops.conv2d_backward(FakeCuda((1, 6, 3, 3)), x, w)):

@@ -21,7 +21,7 @@ from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError, UnsupportedError
 
 from cuda_device_harness import (HostDevice, available, emulated_cuda, fake_cuda_class,  # noqa: F401
-                                 host_of)
+                                 host_of, skip_if_gpu)
 
 pytestmark = pytest.mark.skipif(not available(), reason="g++ or the CUDA headers are missing")
 
@@ -216,12 +216,6 @@ torch = pytest.importorskip("torch")
 FakeCuda = fake_cuda_class()
 
 
-def _no_gpu():
-    from tpp_cuda import runtime
-    if runtime.available():
-        pytest.skip("a GPU is visible: tests/test_cuda_runtime.py runs the real thing")
-
-
 @pytest.mark.parametrize("call", [
     lambda ot, x, w: ot.layer_norm(x, (45,), w, w),
     lambda ot, x, w: ot.rms_norm(x, (45,), w),
@@ -231,7 +225,7 @@ def test_torch_cuda_tensors_reach_the_cuda_backend(call):
     """CUDA tensors take ops.norms' device path (not torch's): without a GPU the CUDA backend
     refuses them, clearly."""
     import ops.torch as ot
-    _no_gpu()
+    skip_if_gpu()
     with pytest.raises(UnsupportedError, match="CUDA|GPU"):
         call(ot, FakeCuda((2, 3, 45)), FakeCuda((45,)))
 

@@ -194,10 +194,11 @@ def test_mlp_forward_backward_several_m_one_compile():
     rng = np.random.default_rng(5)
     w = rng.standard_normal((36, 20)).astype(np.float32)
     b = rng.standard_normal(36).astype(np.float32)
-    y, saved = ops.mlp_forward(np.zeros((1, 20), np.float32), w, b, "gelu")
-    ops.mlp_backward(np.zeros_like(y), saved)
+    for m in (1, 65):   # dw has two nests: under 64 rows rank-1 steps, else a packed GEMM
+        y, saved = ops.mlp_forward(np.zeros((m, 20), np.float32), w, b, "gelu")
+        ops.mlp_backward(np.zeros_like(y), saved)
     before = _compiled()
-    for m in (0, 1, 7, 65, 130):
+    for m in (0, 1, 7, 65, 130, 200):
         x = rng.standard_normal((m, 20)).astype(np.float32)
         y, saved = ops.mlp_forward(x, w, b, "gelu")
         dy = rng.standard_normal(y.shape).astype(np.float32)
