@@ -58,12 +58,20 @@ class CpuNest:
         self.entry = ffi.cast("void(*)(void **)", entry.address)
         self.num_threads = threads.num_threads
 
-    def run(self, addresses, sizes, *, threads=None, torch_stream: bool = False) -> None:
+    def table(self, addresses, sizes, threads=None) -> np.ndarray:
+        """The call table of the entry for these tensor addresses, sizes and threads (None:
+        tpp.get_num_threads(); one thread where libgomp is missing)."""
         table = self.template.copy()
         table[0] = (threads or self.num_threads()) if self.parallel else 1
         table[1:1 + len(addresses)] = addresses
         table[self.slots["sizes"]:] = sizes
+        return table
+
+    def run_table(self, table) -> None:
         self.entry(ffi.cast("void **", table.ctypes.data))
+
+    def run(self, addresses, sizes, *, threads=None, torch_stream: bool = False) -> None:
+        self.run_table(self.table(addresses, sizes, threads))
 
     def dump(self, what: str = "asm") -> str:
         return backend.dump(self.spec, what)

@@ -13,6 +13,7 @@ the emulator tests can route them to the CPU.
 from __future__ import annotations
 
 from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import LRU
 from tpp.runtime.registry import Backend
 
 from . import generators, runtime
@@ -27,17 +28,23 @@ class CudaNest:
         from . import loopnest
         self.spec, self.device, self._gen = spec, device, loopnest
         self.function = runtime.function(spec, device.index)
+        self._plans = LRU(64, "cuda_nest_launches")   # sizes -> (geometry, outer iterations)
 
     def run(self, addresses, sizes, *, threads=None, torch_stream: bool = False) -> None:
-        env = dict(zip(self.spec.sizes, sizes))
-        geometry = self._gen.launch(self.spec, env)
+        sizes = tuple(sizes)
+        plan = self._plans.get(sizes)
+        if plan is None:        # Python work per new assignment of sizes, not per call
+            env = dict(zip(self.spec.sizes, sizes))
+            plan = self._plans[sizes] = (self._gen.launch(self.spec, env),
+                                         self._gen.outer_iterations(self.spec, env))
+        geometry, outers = plan
         head = list(addresses) + list(sizes)
-        for outer in self._gen.outer_iterations(self.spec, env):
+        for outer in outers:
             self.function.launch(head + list(outer), torch_stream=torch_stream,
                                  geometry=geometry)
 
     def dump(self, what: str = "cuda") -> str:
-        return CudaBackend().dump(self.spec, what)
+        return self.function.dump(what)
 
 
 class CudaBackend(Backend):

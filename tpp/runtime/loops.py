@@ -269,14 +269,8 @@ class CompiledNest:
         if not device.is_host:
             raise UnsupportedError(f"bind() makes the host's call table; the arrays are on "
                                    f"{device}: call the nest instead")
-        return self._table(addresses, values, threads)
+        return self._host.table(addresses, values, threads)
 
-    def _table(self, addresses, values, threads) -> np.ndarray:
-        table = self._template.copy()
-        table[1:1 + len(addresses)] = addresses
-        table[self._slots["sizes"]:] = values
-        table[0] = threads
-        return table
 
     def _validate(self, args, threads, named) -> tuple:
         """(device, addresses, size values, threads, any torch) of a call, after every check
@@ -323,10 +317,7 @@ class CompiledNest:
         """A call that the fast path did not take: every check, then the host's code or the
         backend of the device where the arrays live."""
         device, addresses, values, threads, torch = self._validate(args, threads, named)
-        if device.is_host:
-            self.run(self._table(addresses, values, threads))
-            return
-        code = self._devices.get(device)
+        code = self._host if device.is_host else self._devices.get(device)
         if code is None:
             code = self._devices[device] = registry.for_device(device).compile_nest(
                 self.spec, device)
