@@ -60,6 +60,24 @@ def _scores(eq, o: Options, *, diag: bool, tail: bool):
     return z
 
 
+def _exp_nonpos(x):
+    """exp of an argument that is <= 0, -inf or NaN: tpp.core.mathlib's exp_nonpos, the cheaper
+    expansion (11 vector operations to exp's 15; e^x for every x <= 44). Attention's arguments
+    are z - m with m >= z (z - 0 = -inf where m = -inf), or m_old - m_new with
+    m_new = max(m_old, ...): see each use."""
+    return X.prim("exp_nonpos", x)
+
+
+def _minus(z, shift):
+    """z - shift, as one fma(s, scale, -shift) where z is the bare s * scale (a block with no
+    mask): one operation instead of two, and one rounding (s * scale is exact in it). Where
+    shift is the rounded maximum of s * scale, the result may exceed 0 by half an ulp of it:
+    within exp_nonpos's domain (e^x up to x = 44)."""
+    if z.op == "mul" and z.args[0].op == "input" and z.args[1].op == "param":
+        return X.fma(z.args[0], z.args[1], -shift)
+    return z - shift
+
+
 def _finite_or_zero(m):
     """m where finite-from-below, 0 where -inf (a column with no key yet): exp(z - m) is then
     exp(-inf) = 0 there instead of NaN."""
@@ -99,13 +117,13 @@ def step_spec(o: Options, first: bool, diag: bool, tail: bool):
         l_old = eq.input("l", bcast="row")
         m_new = eq.maximum(m_old, cmax)
     safe = _finite_or_zero(m_new)
-    p = eq.exp(z - safe)
+    p = _exp_nonpos(z - safe)           # z <= cmax <= m_new; where m_new = -inf, z = -inf
     outs["p"] = _dropped(eq, o, p)
     if vnni(o) and not o.dropout:       # f32 P^T too: l sums the unrounded probabilities
         outs["pf"] = p
     outs["m_out"] = m_new
     if not first:
-        alpha = eq.exp(m_old - safe)
+        alpha = _exp_nonpos(m_old - safe)   # m_new = max(m_old, cmax) >= m_old
         outs["alpha"] = alpha
         scaled = alpha * l_old
     if o.dropout:
@@ -130,7 +148,7 @@ def stats_spec(o: Options, first: bool, diag: bool, tail: bool):
     m_old = eq.input("m", bcast="row")
     m_new = eq.maximum(m_old, cmax)
     safe = _finite_or_zero(m_new)
-    alpha = eq.exp(m_old - safe)
+    alpha = _exp_nonpos(m_old - safe)                   # m_new >= m_old
     return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l", bcast="row"))
 
 
@@ -146,16 +164,17 @@ def stats_row_spec(first: bool):
     m_old = eq.input("m")
     m_new = eq.maximum(m_old, cmax)
     safe = _finite_or_zero(m_new)
-    alpha = eq.exp(m_old - safe)
+    alpha = _exp_nonpos(m_old - safe)                   # m_new >= m_old
     return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l"))
 
 
 @functools.lru_cache(maxsize=256)
 def probs_spec(o: Options, diag: bool, tail: bool):
     """P^T = exp(z - safe) over the S^T block (in place; with the bf16 path also rounded to
-    bf16 into pb), safe from stats_spec."""
+    bf16 into pb), safe from stats_spec or stats_row_spec: the same z (the same nodes on the
+    same inputs) or s * scale <= c * scale (the column extreme c), so z - safe <= 0."""
     eq = tpp.equation(BK, BQ)
-    p = eq.exp(_scores(eq, o, diag=diag, tail=tail) - eq.input("sf", bcast="row"))
+    p = _exp_nonpos(_minus(_scores(eq, o, diag=diag, tail=tail), eq.input("sf", bcast="row")))
     if vnni(o):
         return eq.spec(p=p, pf=p, dtypes={"p": o.dtype})
     return eq.spec(p=p)
@@ -206,9 +225,10 @@ def scores_spec(o: Options, diag: bool, tail: bool):
 @functools.lru_cache(maxsize=256)
 def exp_spec(o: Options):
     """P^T = exp(z - safe) over the z block, in place (f32: the column sums read it); the bf16
-    path without dropout also rounds it to bf16 into p."""
+    path without dropout also rounds it to bf16 into p. safe is from the column maxima of
+    this z, so z - safe <= 0."""
     eq = tpp.equation(BK, BQ)
-    p = eq.exp(eq.input("z") - eq.input("sf", bcast="row"))
+    p = _exp_nonpos(eq.input("z") - eq.input("sf", bcast="row"))
     if vnni(o) and not o.dropout:
         return eq.spec(pf=p, p=p, dtypes={"p": o.dtype})
     return eq.spec(pf=p)
@@ -245,12 +265,15 @@ def backward_step_spec(o: Options, diag: bool, tail: bool):
     lse = eq.input("lse", bcast="row")
     delta = eq.input("delta", bcast="row")
     mx = eq.max(z, 0)
-    e = eq.exp(z - mx)
+    e = _exp_nonpos(z - mx)
     total = eq.sum(e, 0)
     pd = _dropped(eq, o, e / total)
     ds, = tpp.grad([pd], [s], [dpd], stop_gradient=[mx])
-    # a query that saw no key (lse -inf): exp(z - +inf) = 0, not NaN
-    p_saved = eq.exp(z - X.select(X.compare("eq", lse, NEG_INF), math.inf, lse))
+    # a query that saw no key (lse -inf): exp(z - +inf) = 0, not NaN. z - lse <= 0 up to
+    # rounding: lse = m + log(l) with m the forward's maximum of z and l >= 1 (l sums P, which
+    # holds exp(0) = 1 at the maximum, and alpha * l_old + ...), so log(l) >= 0; a recomputed
+    # z may exceed m by a few ulps (another BRGEMM's rounding), far below exp_nonpos's 44
+    p_saved = _exp_nonpos(_minus(z, X.select(X.compare("eq", lse, NEG_INF), math.inf, lse)))
     pd, ds = X.substitute([pd, ds], {e: p_saved, total: X.const(1.0)})
     sums = [n for n in X.topological([ds]) if n.op in X.REDUCTIONS]
     assert len(sums) == 1 and sums[0].attr[0] == 0, "the softmax gradient's one column sum"

@@ -3,12 +3,19 @@
 backend renders it, against its exact float64 meaning (tpp.core.mathlib.PRIMS[name].exact).
 
 Run:  python tools/measure_transcendentals.py [names...] [--exhaustive-log] [--n N]
+      python tools/measure_transcendentals.py --exhaustive-exp-nonpos
+      python tools/measure_transcendentals.py --fit-exp-nonpos
 
 For each function: N random bit patterns (every exponent, both signs), a dense grid over
 [-30, 30] and the special values. Prints the max relative error where the exact result is a
 normal f32 (the `bound` that tpp.core.mathlib states) and the max absolute error in units of 2^-149
 where it is subnormal. --exhaustive-log runs log on every positive finite f32 (2^31 - 2^23
-inputs, ~1 min), which is how log's bound was measured.
+inputs, ~1 min), which is how log's bound was measured. --exhaustive-exp-nonpos runs exp_nonpos
+on every f32 in [-104, 44] (its whole non-trivial domain: about 2.2e9 inputs, a few minutes),
+which is how its bound was measured. --fit-exp-nonpos prints the coefficients
+EXP_NONPOS_P of tpp.core.mathlib_coeffs (fit_exp_nonpos).
+
+Inputs outside a prim's `domain` (exp_nonpos: x > 44) are not measured.
 """
 from __future__ import annotations
 
@@ -31,8 +38,8 @@ TINY = 2.0 ** -126
 _ENGINES = []
 
 
-def kernel(name: str, w: int = 8):
-    """numpy f32 array -> f32 array of the rendered expansion (W lanes per iteration)."""
+def module(name: str, w: int = 8):
+    """The LLVM module of f(src, dst, n): dst = name(src), W lanes per iteration."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     mod = ir.Module(name=name)
@@ -48,12 +55,18 @@ def kernel(name: str, w: int = 8):
     i = b.phi(i64)
     i.add_incoming(ir.Constant(i64, 0), entry)
     v = b.load(b.gep(src, [i], source_etype=f32), typ=vty, align=4)
-    b.store(getattr(vecmath, name)(b, v), b.gep(dst, [i], source_etype=f32), align=4)
+    b.store(vecmath._render(name, b, v), b.gep(dst, [i], source_etype=f32), align=4)
     i2 = b.add(i, ir.Constant(i64, w))
     i.add_incoming(i2, b.block)
     b.cbranch(b.icmp_signed("<", i2, n), loop, done)
     b.position_at_end(done)
     b.ret_void()
+    return mod
+
+
+def kernel(name: str, w: int = 8):
+    """numpy f32 array -> f32 array of the rendered expansion (W lanes per iteration)."""
+    mod = module(name, w)
     tm = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
     parsed = llvm.parse_assembly(str(mod))
@@ -76,7 +89,11 @@ def kernel(name: str, w: int = 8):
 
 def errors(name: str, x: np.ndarray, y: np.ndarray):
     """(max relative error where the exact result is normal, its x, max absolute error in units
-    of 2^-149 where it is subnormal, count of wrong non-finite results)."""
+    of 2^-149 where it is subnormal, count of wrong non-finite results), over the inputs in
+    the prim's domain (NaN included)."""
+    lo, hi = mathlib.PRIMS[name].domain
+    keep = ~((x < lo) | (x > hi))
+    x, y = x[keep], y[keep]
     with np.errstate(all="ignore"):
         want = np.asarray(mathlib.PRIMS[name].exact(x.astype(np.float64)), np.float64)
         got = y.astype(np.float64)
@@ -101,6 +118,32 @@ def inputs(n: int, seed: int = 1) -> np.ndarray:
     return np.concatenate([pattern, grid, specials])
 
 
+def fit_exp_nonpos():
+    """EXP_NONPOS_P: P(r) = 1 + r q(r) ~ e^r, |r| <= ln2/2 (+0.2 %), q of degree 4 fitted by
+    tools/fit_vecmath.py's weighted Remez (relative error of e^r), float32 rounding with re-fit."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fit_vecmath as fv
+    half = np.log(2.0) / 2 * 1.002
+    g = lambda r: np.where(r == 0, 1.0, np.expm1(r) / np.where(r == 0, 1.0, r))  # noqa: E731
+    _, co = fv.fit_f32(g, lambda r: np.abs(r) * np.exp(-r) + 1e-300, -half, half, range(5))
+    return (1.0,) + tuple(fv.as_list(co))
+
+
+def exhaustive_exp_nonpos():
+    f = kernel("exp_nonpos")
+    worst, sub, bad = (0.0, 0.0), 0.0, 0
+    for lo, hi in ((-104.0, -0.0), (0.0, 44.0)):
+        a, b = np.array([lo, hi], np.float32).view(np.uint32).astype(np.int64)
+        first, last = min(a, b), max(a, b)
+        for start in range(int(first), int(last) + 1, 1 << 24):
+            x = np.arange(start, min(start + (1 << 24), int(last) + 1),
+                          dtype=np.int64).astype(np.uint32).view(np.float32)
+            rel, at, s, bd = errors("exp_nonpos", x, f(x))
+            worst, sub, bad = max(worst, (rel, at)), max(sub, s), bad + bd
+    print(f"exp_nonpos exhaustive (every f32 in [-104, 44]): max rel {worst[0]:.3e} at "
+          f"x={worst[1]!r}, subnormal abs {sub:.2f} * 2^-149, {bad} wrong specials")
+
+
 def exhaustive_log():
     f = kernel("log")
     worst = (0.0, 0.0)
@@ -121,7 +164,12 @@ def main():
     ap.add_argument("names", nargs="*", default=list(mathlib.PRIMS))
     ap.add_argument("--n", type=int, default=2_000_000)
     ap.add_argument("--exhaustive-log", action="store_true")
+    ap.add_argument("--exhaustive-exp-nonpos", action="store_true")
+    ap.add_argument("--fit-exp-nonpos", action="store_true")
     args = ap.parse_args()
+    if args.fit_exp_nonpos:
+        print("EXP_NONPOS_P = (\n" + "".join(f"    {c!r},\n" for c in fit_exp_nonpos()) + ")")
+        return
     x = inputs(args.n)
     for name in args.names:
         rel, at, sub, bad = errors(name, x, kernel(name)(x))
@@ -129,6 +177,8 @@ def main():
               f"wrong specials {bad}   (stated bound {mathlib.PRIMS[name].bound:g})")
     if args.exhaustive_log:
         exhaustive_log()
+    if args.exhaustive_exp_nonpos:
+        exhaustive_exp_nonpos()
 
 
 if __name__ == "__main__":

@@ -267,6 +267,11 @@ def _exp(b, x, y):
     return y
 
 
+@_derivative("exp_nonpos")
+def _exp_nonpos(b, x, y):
+    return y                                # e^x on its domain, like exp
+
+
 @_derivative("expm1")
 def _expm1(b, x, y):
     return X.prim("exp", x)

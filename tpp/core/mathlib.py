@@ -80,14 +80,15 @@ def gelu_tanh_grad_exact(x):
 # The measured max relative error of each expansion where the true result is a normal f32
 # (where it is subnormal, the absolute error is <= 4 * 2^-149), rounded up: the larger of
 # tools/measure_transcendentals.py (4e6 random bit patterns and grid points; log: every
-# positive f32) and tests/test_vecmath.py's sweeps (gelu / gelu_grad: every f32 with
-# |x| < 15.5). Measured: exp 2.4e-7, expm1 3.8e-7, log 8.0e-8, sigmoid 2.3e-7, tanh 2.4e-7,
-# erf 3.0e-7, erfc 4.8e-7, gelu 5.2e-7, gelu_grad 5.3e-7, gelu_tanh 2.4e-7,
-# gelu_tanh_grad 4.4e-7.
+# positive f32; exp_nonpos: every f32 in [-104, 44]) and tests/test_vecmath.py's sweeps
+# (gelu / gelu_grad: every f32 with |x| < 15.5), over each prim's `domain` (exp_nonpos:
+# x <= 44). Measured: exp 2.4e-7, exp_nonpos 3.9e-7 (subnormal results within 2.9 * 2^-149),
+# expm1 3.8e-7, log 8.0e-8, sigmoid 2.3e-7, tanh 2.4e-7, erf 3.0e-7, erfc 4.8e-7, gelu 5.2e-7,
+# gelu_grad 5.3e-7, gelu_tanh 2.4e-7, gelu_tanh_grad 4.4e-7.
 BOUNDS = {
-    "exp": 2.5e-7, "expm1": 4e-7, "log": 1e-7, "sigmoid": 2.5e-7, "tanh": 2.5e-7,
-    "erf": 3.2e-7, "erfc": 5e-7, "gelu": 5.5e-7, "gelu_grad": 5.5e-7, "gelu_tanh": 2.5e-7,
-    "gelu_tanh_grad": 4.6e-7,
+    "exp": 2.5e-7, "exp_nonpos": 4e-7, "expm1": 4e-7, "log": 1e-7, "sigmoid": 2.5e-7,
+    "tanh": 2.5e-7, "erf": 3.2e-7, "erfc": 5e-7, "gelu": 5.5e-7, "gelu_grad": 5.5e-7,
+    "gelu_tanh": 2.5e-7, "gelu_tanh_grad": 4.6e-7,
 }
 
 
@@ -99,16 +100,20 @@ class Prim:
     bound: float                 # max relative error of the f32 code (see the module doc)
     note: str = ""
     expand: Callable | None = None   # (args: Nodes) -> Node (tpp.core.transcendentals)
+    domain: tuple = (-math.inf, math.inf)   # the inputs the expansion is defined (bound) on
 
 
 PRIMS: dict = {}
 
 
-def _prim(name, exact, bound, note=""):
-    PRIMS[name] = Prim(name, 1, _quiet(exact), bound, note, getattr(_T, name))
+def _prim(name, exact, bound, note="", domain=(-math.inf, math.inf)):
+    PRIMS[name] = Prim(name, 1, _quiet(exact), bound, note, getattr(_T, name), domain)
 
 
 _prim("exp", np.exp, BOUNDS["exp"])
+_prim("exp_nonpos", np.exp, BOUNDS["exp_nonpos"],
+      "e^x for x <= 0 (softmax, attention); accurate up to x = 44, unspecified above",
+      domain=(-math.inf, _T.EXP_NONPOS_MAX))
 _prim("expm1", np.expm1, BOUNDS["expm1"])
 _prim("log", np.log, BOUNDS["log"])
 _prim("sigmoid", sigmoid_exact, BOUNDS["sigmoid"])

@@ -8,6 +8,7 @@ each is stated there). Every function propagates NaN and handles +-inf, +-0 and 
 inputs (see "Special values").
 
     exp(x)             e^x
+    exp_nonpos(x)      e^x for x <= 0 (softmax, attention: z - rowmax), cheaper than exp
     expm1(x)           e^x - 1 (relatively accurate near 0)
     log(x)             natural logarithm
     sigmoid(x)         1 / (1 + e^-x)
@@ -31,6 +32,15 @@ Method
     and q = e^(r/2); both factors are normal for x in [-104, 89], the final
     square rounds once, so overflow gives +inf and underflow goes gracefully
     through the subnormals to 0.
+  - exp_nonpos(x): e^x for x <= 0 (and accurate up to x = 44; larger x: unspecified), in
+    the fewest operations: xc = select(x < -104, -104, x) (the only clamp: -inf -> -104,
+    whose result rounds to 0; NaN kept), t = fma(xc, log2e, SH + 191), n = t - (SH + 191),
+    ONE Cody-Waite FMA r = fma(n, -ln2_f32, xc) (f32(ln2) is within 1.9e-9 of ln2, so the
+    reduction error is <= 150 * 1.9e-9 ~ 2.9e-7 relative), P(r) ~ e^r of degree 5 (5 FMAs,
+    P(0) = 1 exactly) with its coefficients pre-scaled by 2^-64 (exact), and one final
+    multiplication by 2^(n+64) = bits(t) << 23, which is also the only rounding into the
+    subnormal range (graceful underflow without an extra multiply). 12 IR operations, 11 x86
+    vector instructions (the clamp is one vmaxps there) to exp's 15.
   - the tail functions (sigmoid, erfc, ...) only need e^y for y <= 0;
     they keep E = e^y * 2^64 (always normal, one extra offset of 64 in the
     shifter) and fold the 2^-64 into the other factor, so the single final
@@ -105,6 +115,7 @@ Rules
   floating-point operation.
 
 Special values: exp(+inf)=inf, exp(-inf)=0, exp(x>88.7228)=inf; expm1(-inf)=-1;
+exp_nonpos(-inf)=0, exp_nonpos(+-0)=1, exp_nonpos(x < -103.98)=0;
 log(0)=-inf, log(x<0)=nan, log(inf)=inf;
 tanh(+-inf)=+-1; sigmoid(+inf)=1, sigmoid(-inf)=0; erf(+-inf)=+-1,
 erfc(+inf)=0, erfc(-inf)=2; gelu(+inf)=inf, gelu(-inf)=-0.0;
@@ -112,7 +123,8 @@ gelu_grad(+inf)=1, gelu_grad(-inf)=-0.0; gelu_tanh(+inf)=inf,
 gelu_tanh(-inf)=-0.0; gelu_tanh_grad(+inf)=1, gelu_tanh_grad(-inf)=-0.0;
 NaN in -> NaN out everywhere.
 
-Cost (AVX2, <8 x float>, loop body of an elementwise kernel): exp 15 vector ops, sigmoid 18,
+Cost (AVX2, <8 x float>, loop body of an elementwise kernel): exp 15 vector ops, exp_nonpos 11
+(tests/test_transcendentals_nonpos.py counts it), sigmoid 18,
 tanh 19, erf 40, erfc 31, gelu 26, gelu_grad 31, gelu_tanh 37, gelu_tanh_grad 55, each with at
 most one division (tests/test_vecmath.py counts them).
 """
@@ -128,6 +140,7 @@ from .mathlib_coeffs import (
     ERFC_P,
     ERFC_Q,
     EXP_C,
+    EXP_NONPOS_P,
     GELU_E,
     GELU_GRAD_P,
     GELU_GRAD_Q,
@@ -139,8 +152,8 @@ from .mathlib_coeffs import (
     TGRAD_ROOT,
 )
 
-__all__ = ["exp", "expm1", "log", "sigmoid", "tanh", "erf", "erfc", "gelu", "gelu_grad",
-           "gelu_tanh", "gelu_tanh_grad"]
+__all__ = ["exp", "exp_nonpos", "expm1", "log", "sigmoid", "tanh", "erf", "erfc", "gelu",
+           "gelu_grad", "gelu_tanh", "gelu_tanh_grad"]
 
 _f32 = X.f32
 
@@ -254,6 +267,24 @@ def exp(x):
     q = _exp_poly(r, 0.5)
     y = q * _pow2_from_shifter(t)
     return y * y
+
+
+EXP_NONPOS_MAX = 44.0   # exp_nonpos is e^x for x <= 44 (n + 64 <= 127); intended for x <= 0
+
+
+def exp_nonpos(x):
+    """e^x for x <= 0: the exp of softmax and attention (z - rowmax <= 0, -inf when masked).
+
+    Contract: x <= 0, -inf (-> exactly 0) or NaN (-> NaN); e^x is also accurate for
+    0 < x <= 44 (EXP_NONPOS_MAX), so an argument that is <= 0 only up to rounding (a few
+    ulps above 0) is harmless; for x > 44 the value is unspecified (it may be anything,
+    +-inf included). Results below 2^-126 go through the subnormals to 0 gracefully."""
+    xc = _maxp(x, _EXP_LO)                          # the only clamp: -inf -> -104 -> 0
+    t = fma(xc, const(_LOG2E), const(_SH_BIAS64))   # SH + 127 + 64 + n
+    n = t - const(_SH_BIAS64)
+    r = fma(n, const(-_LN2_HI), xc)                 # one Cody-Waite step (see Method)
+    p = _horner(r, [c * _TWO_M64 for c in EXP_NONPOS_P])   # e^r 2^-64, always normal
+    return p * _pow2_from_shifter(t)                # e^r 2^n: the only rounding
 
 
 def _exp_nonpos_scaled(y):
