@@ -46,6 +46,12 @@ Backward weight: per (output block, input block, tap) a BRGEMM dy^T @ x over the
 pixels of one row (trans_a), batch-reduced over the output rows, summed over the batch.
 Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images.
 
+1x1 layers (stride 1, no padding, groups 1, f32, host data) skip all of the above (the
+forward given packed= only for images of at least 90% whole 16-pixel vectors, see
+conv_pointwise.eligible; else the packed weight is used): per
+image they are GEMMs on the NCHW arrays as they are (ops.conv_pointwise; no conversion, no
+packing). Any other `packed=` or `xb=` given for such a layer is checked, then unused.
+
 Compilation: one nest per layer shape (channels, kernel, stride, padding, dilation, groups,
 spatial size, dtype, bias, activation); the batch size N is a runtime size (tpp.size), so a
 new batch size compiles nothing. The spatial size is fixed per nest: the NCHW <-> blocked
@@ -66,6 +72,7 @@ from tpp.core.errors import ArgumentError
 from tpp.runtime.lru import LRU, also_clear
 
 from . import _host
+from . import conv_pointwise as _pointwise
 from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weight, ...)
     BLOCK, PIXELS, _SERIAL_FLOPS, Geometry, block, _pair, _padding, geometry,
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
@@ -273,9 +280,35 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
     geo = geometry(tuple(x.shape), tuple(weight.shape), dt, stride, padding, dilation, groups)
     if bias is not None and tuple(bias.shape) != (geo.k,):
         raise ArgumentError(f"bias: expected shape ({geo.k},), got {tuple(bias.shape)}")
-    wb = _check_packed(packed, weight, geo, False) or pack_weight(weight, geo.groups, dt)
+    packed = _check_packed(packed, weight, geo, False)
+    # GEMMs (packed unused), but a packed weight is used for images that fill the GEMM's
+    # vectors badly (eligible): without one, packing costs more than the blocked forward saves
+    if _pointwise_layer(geo, x, weight, bias, forward=packed is not None):
+        return _pointwise.forward(x, weight, bias, activation, geo), None
+    wb = packed or pack_weight(weight, geo.groups, dt)
     xb = to_blocked(x, geo)
     return _forward(xb.data, wb.data, bias, geo, activation, x), xb
+
+
+def _pointwise_layer(geo, *arrays_, forward=False) -> bool:
+    """Whether ops.conv_pointwise serves this layer's forward (or backward): a 1x1,
+    stride-1, unpadded, ungrouped f32 layer on host data (numpy / CPU torch; device data
+    takes the blocked path); see conv_pointwise.eligible."""
+    return _pointwise.eligible(geo, forward) and all(_on_host(a) for a in arrays_)
+
+
+def serves_pointwise(x, weight, stride=1, padding=0, dilation=1, groups=1, *,
+                     forward=True) -> bool:
+    """Whether conv2d (forward) / conv2d_backward (forward=False) run this layer on
+    ops.conv_pointwise's GEMMs (so a packed weight would go unused); False for arguments
+    they would reject."""
+    try:
+        geo = geometry(tuple(x.shape), tuple(weight.shape), _host.dtype_of(x, "x"), stride,
+                       padding, dilation, groups)
+    except (ArgumentError, TypeError, ValueError):
+        return False
+    return _pointwise_layer(geo, _host.host(x, "x", device=True),
+                            _host.host(weight, "weight", device=True), forward=forward)
 
 
 def _check_packed(packed, weight, geo, transposed):
@@ -352,9 +385,12 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
                             f"{tuple(dy.shape)}")
     need_dx, need_dw, need_db = (bool(v) for v in need)
     packed = _check_packed(packed, weight, geo, True) if need_dx else None
-    if need_dw and isinstance(xb, BlockedActivation) and not (_on_host(x) and
-                                                              _on_host(xb.data)):
-        _host.same_device(x=x, xb=xb.data)
+    if need_dw and xb is not None:
+        xb = _check_xb(xb, x, geo)
+    if _pointwise_layer(geo, x, weight, dy):    # GEMMs on NCHW (packed and xb: unused)
+        return (_pointwise.data_grad(dy, weight, geo) if need_dx else None,
+                _pointwise.weight_grad(dy, x, geo) if need_dw else None,
+                _pointwise.bias_grad(dy, geo) if need_db else None)
     dx = dw = db = None
     # dy in the output layout (its blocks are the data gradient's input blocks)
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
@@ -375,15 +411,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     if need_dw or need_db:
         dyb0 = to_blocked(dy, dgeo).data
     if need_dw:
-        if xb is None:
-            xb = to_blocked(x, geo).data
-        elif (not isinstance(xb, BlockedActivation) or tuple(xb.pad) != geo.pad
-              or xb.bc != geo.bc or xb.groups != geo.groups or xb.n != n
-              or (xb.channels, xb.h, xb.w) != (geo.c, geo.h, geo.w)):
-            raise ArgumentError("xb: expected the BlockedActivation of x that the forward "
-                                "read (ops.conv.to_blocked(x, geometry))")
-        else:
-            xb = xb.data
+        xb = to_blocked(x, geo).data if xb is None else xb.data
         bc, bk = geo.bc, geo.bk
         cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
         dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
@@ -408,6 +436,19 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         _vector_nest(geo.groups, geo.kg, kbt // geo.groups * bk, _dt.F32, dt, False)(
             dbp, db, threads=1)
     return dx, dw, db
+
+
+def _check_xb(xb, x, geo):
+    """xb if it is the BlockedActivation of x (this layer's frame and blocks) the forward
+    read, on x's device; else an ArgumentError."""
+    if isinstance(xb, BlockedActivation) and not (_on_host(x) and _on_host(xb.data)):
+        _host.same_device(x=x, xb=xb.data)
+    if (not isinstance(xb, BlockedActivation) or tuple(xb.pad) != geo.pad
+            or xb.bc != geo.bc or xb.groups != geo.groups or xb.n != x.shape[0]
+            or (xb.channels, xb.h, xb.w) != (geo.c, geo.h, geo.w)):
+        raise ArgumentError("xb: expected the BlockedActivation of x that the forward "
+                            "read (ops.conv.to_blocked(x, geometry))")
+    return xb
 
 
 def _conv_padded(dyb, wbt, tgeo, geo, like):

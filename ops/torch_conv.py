@@ -10,7 +10,9 @@ ops.conv's BRGEMM nests through an autograd.Function (the forward keeps x, its b
 for the weight gradient, and the weight; the backward computes only the gradients autograd
 asks for: data, weight, bias). Conv2d packs its weight once (forward and, at the first
 backward, the data gradient's layout) and repacks when the weight's version counter moves
-(an in-place update such as an optimizer step) or the parameter is replaced.
+(an in-place update such as an optimizer step) or the parameter is replaced. 1x1 layers that
+ops.conv runs as GEMMs on NCHW (stride 1, no padding, groups 1, f32: ops.conv_pointwise) read
+the weight as it is: nothing is packed or kept for them.
 
 CUDA tensors run the same nests on their GPU (ops.conv's device path: the results on the
 input's device, the module's packed weights kept per device; tensors on different devices:
@@ -78,6 +80,9 @@ class Conv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, packs=None):
+        if packs is not None and _c.serves_pointwise(x, weight, stride, padding, dilation,
+                                                     groups):
+            packs = None        # a 1x1 layer runs as GEMMs on the weight as it is
         if packs is not None and packs.forward is None:
             packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
                 weight, "weight"))
@@ -100,7 +105,8 @@ class Conv2dFunction(torch.autograd.Function):
             return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy),
                     None, None, None, None, None)
         packed = None
-        if need[0] and packs is not None and packs.key == _key(weight):
+        if need[0] and packs is not None and packs.key == _key(weight) and not \
+                _c.serves_pointwise(x, weight, *ctx.hyper, forward=False):
             if packs.transposed is None:
                 packs.transposed = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
                     weight, "weight"), transposed=True)

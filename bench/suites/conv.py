@@ -2,7 +2,8 @@
 conv2d (oneDNN), on the ResNet-50 layer set, forward and training, f32 and bf16.
 
 Layers (C -> K, H x W input, R x S kernel, stride; ResNet-50 at 224x224): the 7x7 stride-2
-stem, 1x1 (64 -> 256 at 56, 256 -> 64 at 56, 256 -> 1024 at 14), 3x3 stride 1 (64 at 56, 128
+stem, 1x1 (64 -> 256 at 56, 256 -> 64 at 56, 256 -> 1024 at 14, 1024 -> 256 at 14, 512 -> 2048
+at 7), 3x3 stride 1 (64 at 56, 128
 at 28, 256 at 14, 512 at 7) and the 3x3 stride-2 downsampling (128 at 56). Batch 4; --quick
 (and the default set): batch 1 and a 1x1, a 3x3 and a stride-2 3x3 layer; --tiny: small
 channels and images (numbers meaningless). All cores (or --threads N, N > 1).
@@ -12,7 +13,8 @@ channels and images (numbers meaningless). All cores (or --threads N, N > 1).
          form: the weight is packed inside the step, as a training step's weight changes
          every step) for x, w, b with one dy, vs the same with F.conv2d; 3x the forward's
          flops per step.
-NCHW in and out (each tpp call includes its NCHW <-> blocked conversions). `peak_fraction`
+NCHW in and out (each tpp call includes its NCHW <-> blocked conversions, except the 1x1
+layers: ops.conv_pointwise runs them as GEMMs on the NCHW data, nothing converted or packed). `peak_fraction`
 divides by the peak suite's one-core compute peak times the threads. Wall clock. tpp's
 forward is checked against torch's conv2d in f32 on the same values (tolerance: 1e-4 of the
 largest |value| for f32, 2e-2 for bf16).
@@ -35,6 +37,8 @@ LAYERS = {
     "1x1 64-256 @56": (64, 256, 56, 1, 1, 0),
     "1x1 256-64 @56": (256, 64, 56, 1, 1, 0),
     "1x1 256-1024 @14": (256, 1024, 14, 1, 1, 0),
+    "1x1 1024-256 @14": (1024, 256, 14, 1, 1, 0),
+    "1x1 512-2048 @7": (512, 2048, 7, 1, 1, 0),
     "3x3 64 @56": (64, 64, 56, 3, 1, 1),
     "3x3 128 @28": (128, 128, 28, 3, 1, 1),
     "3x3 256 @14": (256, 256, 14, 3, 1, 1),

@@ -1,0 +1,163 @@
+"""ops.conv's 1x1 fast path (ops.conv_pointwise: GEMMs on the NCHW data, no blocked layout),
+forward and gradients against torch.nn.functional.conv2d."""
+import numpy as np
+import pytest
+
+import ops
+import tpp
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+tc = pytest.importorskip("ops.torch_conv")
+from ops import conv  # noqa: E402
+
+# (N, C, K, H, W, bias)
+CASES = [
+    (1, 5, 7, 7, 5, True),        # odd channels and image
+    (3, 5, 7, 7, 5, False),
+    (3, 17, 33, 1, 1, True),      # 1x1 image
+    (1, 17, 33, 3, 1, False),
+    (3, 70, 130, 9, 9, True),     # channels past one block (and K < C, K > C below)
+    (2, 130, 20, 8, 9, True),     # pixels past one block, K < C (dw computed transposed)
+]
+
+
+def _ids(case):
+    return "n{}c{}k{}_{}x{}_{}".format(*case[:5], "bias" if case[5] else "nobias")
+
+
+@pytest.fixture
+def no_blocked(monkeypatch):
+    """Make every blocked-layout conversion and weight packing raise: the fast path must not
+    need them (the forward served at every image size, however few pixels its vectors
+    hold)."""
+    monkeypatch.setattr(ops.conv_pointwise, "MIN_LANE_USE", 0.0)
+    def boom(*args, **kwargs):
+        raise AssertionError("the blocked path was taken")
+    for name in ("to_blocked", "from_blocked", "pack_weight"):
+        monkeypatch.setattr(conv, name, boom)
+
+
+def _data(case, seed=0):
+    n, c, k, h, w, has_bias = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=g)
+    wt = torch.randn(k, c, 1, 1, generator=g) / c ** 0.5
+    b = torch.randn(k, generator=g) if has_bias else None
+    dy = torch.randn(n, k, h, w, generator=g)
+    return x, wt, b, dy
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_and_gradients(case, no_blocked):
+    x, wt, b, dy = _data(case)
+    leaves = [t for t in (x, wt, b) if t is not None]
+    ref_in = [t.clone().requires_grad_() for t in leaves]
+    my_in = [t.clone().requires_grad_() for t in leaves]
+    ref = F.conv2d(*ref_in)
+    y = tc.conv2d(*my_in)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    want = torch.autograd.grad(ref, ref_in, dy)
+    got = torch.autograd.grad(y, my_in, dy)
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=1e-4)
+    # the numpy operators, one gradient at a time
+    xn, wn, dyn = x.numpy(), wt.numpy(), dy.numpy()
+    expected = (want[0], want[1], dy.sum((0, 2, 3)))
+    for k in range(3):
+        need = tuple(j == k for j in range(3))
+        out = ops.conv2d_backward(dyn, xn, wn, need=need)
+        assert [o is None for o in out] == [not v for v in need]
+        torch.testing.assert_close(torch.from_numpy(out[k]), expected[k], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_bias_activation(activation, no_blocked):
+    x, wt, b, _ = _data((3, 17, 33, 7, 5, True), seed=1)
+    y = ops.conv2d(x.numpy(), wt.numpy(), b.numpy(), activation=activation)
+    ref = F.conv2d(x, wt, b)
+    ref = torch.relu(ref) if activation == "relu" else F.gelu(ref)
+    torch.testing.assert_close(torch.from_numpy(y), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_module_and_new_batch_compiles_nothing(no_blocked):
+    torch.manual_seed(2)
+    ref = torch.nn.Conv2d(12, 20, 1)
+    mine = tc.Conv2d(12, 20, 1)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 12, 5, 6)
+
+    def step(x):
+        xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr, yo = ref(xr), mine(xo)
+        torch.testing.assert_close(yo, yr, atol=1e-4, rtol=1e-4)
+        dy = torch.randn(yr.shape)
+        yr.backward(dy)
+        yo.backward(dy)
+        torch.testing.assert_close(xo.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.weight.grad, ref.weight.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.bias.grad, ref.bias.grad, atol=1e-4, rtol=1e-4)
+        for p in (*ref.parameters(), *mine.parameters()):
+            p.grad = None
+
+    step(x)
+    before = tpp.cache_info()["compiled"]
+    for n in (3, 1, 5):
+        step(torch.randn(n, 12, 5, 6))
+    assert tpp.cache_info()["compiled"] == before
+    xn = np.zeros((0, 12, 5, 6), np.float32)
+    wn = mine.weight.detach().numpy()
+    assert ops.conv2d(xn, wn).shape == (0, 20, 5, 6)
+    dx, dw, db = ops.conv2d_backward(np.zeros((0, 20, 5, 6), np.float32), xn, wn)
+    assert dx.shape == xn.shape and not dw.any() and not db.any()
+    assert tpp.cache_info()["compiled"] == before
+
+
+def test_packed_and_xb_still_accepted():
+    """packed= and xb= made for a 1x1 layer are checked, then unused (the GEMMs read the
+    weight and x as they are): the results are the same."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 9, 4, 5), np.float32)
+    w = rng.standard_normal((6, 9, 1, 1), np.float32)
+    dy = rng.standard_normal((2, 6, 4, 5), np.float32)
+    y = ops.conv2d(x, w)
+    np.testing.assert_allclose(ops.conv2d(x, w, packed=conv.pack_weight(w, 1, tpp.F32)), y,
+                               rtol=1e-6, atol=1e-6)
+    geo = conv.geometry(x.shape, w.shape, tpp.F32, 1, 0, 1, 1)
+    want = ops.conv2d_backward(dy, x, w)
+    got = ops.conv2d_backward(dy, x, w, packed=conv.pack_weight(w, 1, tpp.F32, transposed=True),
+                              xb=conv.to_blocked(x, geo))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(tpp.core.errors.ArgumentError):
+        ops.conv2d(x, w, packed=conv.pack_weight(w, 1, tpp.F32, transposed=True))
+    with pytest.raises(tpp.core.errors.ArgumentError):
+        ops.conv2d_backward(dy, x, w, xb=conv.blocked(x, padding=1))
+
+
+@pytest.mark.parametrize("kw", [dict(stride=2), dict(padding=1), dict(groups=3)])
+def test_other_1x1_layers_take_the_blocked_path(kw):
+    """Strided, padded, grouped (and bf16) 1x1 layers stay on the blocked nests."""
+    x, w0, b, _ = _data((2, 6, 9, 7, 7, True), seed=3)
+    wt = w0[:, : 6 // kw.get("groups", 1)].contiguous()
+    assert not conv.serves_pointwise(x, wt, **kw)
+    torch.testing.assert_close(tc.conv2d(x, wt, b, **kw), F.conv2d(x, wt, b, **kw),
+                               atol=1e-4, rtol=1e-4)
+    assert not conv.serves_pointwise(x.bfloat16(), w0.bfloat16(), forward=False)
+    assert conv.serves_pointwise(x, w0, forward=False)
+
+
+def test_forward_path_by_image_size():
+    """The GEMM forward serves images whose pixels fill its vectors (56x56); 7x7 (49 pixels)
+    runs the blocked forward, and the GEMM backward either way."""
+    x, w, b, _ = _data((1, 8, 4, 7, 7, True))
+    assert conv.serves_pointwise(x, w, forward=False)
+    assert not conv.serves_pointwise(x, w)
+    assert conv.serves_pointwise(torch.zeros(1, 8, 56, 56), w)
+    torch.testing.assert_close(tc.conv2d(x, w, b), F.conv2d(x, w, b), atol=1e-4, rtol=1e-4)
+    mod = tc.Conv2d(8, 4, 1)
+    with torch.no_grad():
+        mod.weight.copy_(w)
+        mod.bias.copy_(b)
+        torch.testing.assert_close(mod(x), F.conv2d(x, w, b), atol=1e-4, rtol=1e-4)
+    assert mod._tpp_packs.forward is not None      # the module's packed weight, used
