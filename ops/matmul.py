@@ -374,7 +374,7 @@ class _Plan:
                     import torch
                     tdt = self.torch_out = getattr(torch, self.dt_out.torch_name)
                 # sizes as separate arguments: torch parses them ~0.5 us faster than a tuple
-                out = _TORCH_EMPTY[0](m, self.n, dtype=tdt)
+                out = _host.torch_empty(m, self.n, dtype=tdt)
         else:
             out = _checked_out(out, a, (packed.data, bias), name)
         threads = 1 if m < self.serial_rows else None
@@ -435,13 +435,6 @@ _RAW_SIGNATURE = ("void(*)(intptr_t, intptr_t, intptr_t, intptr_t, intptr_t, int
                   "intptr_t, intptr_t)")
 
 
-def _torch_empty(*args, **kw):
-    import torch
-    _TORCH_EMPTY[0] = torch.empty
-    return torch.empty(*args, **kw)
-
-
-_TORCH_EMPTY = [_torch_empty]
 
 
 _PLANS = LRU(256, "matmul_plans")   # problem -> _Plan

@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 
 import ops as _ops
+from ops import _host
 from ops import norms as _norms
 from ops import residual_norm as _rn
 from ops import torch_attention as _ta
@@ -236,10 +237,10 @@ class _SplitHeads(torch.autograd.Function):
         ref = next(g for g in (dq, dk, dv) if g is not None)
         dh = ref.shape[-1]
         if batch_first:
-            out = ref.new_empty(n, length, 3, heads, dh)
+            out = _host.torch_empty(n, length, 3, heads, dh, dtype=ref.dtype, like=ref)
             view = out.permute(2, 0, 3, 1, 4)
         else:
-            out = ref.new_empty(length, n, 3, heads, dh)
+            out = _host.torch_empty(length, n, 3, heads, dh, dtype=ref.dtype, like=ref)
             view = out.permute(2, 1, 3, 0, 4)
         for i, g in enumerate((dq, dk, dv)):
             if g is None:

@@ -69,6 +69,7 @@ import weakref
 import torch
 
 import ops as _ops
+from ops import _host
 
 __all__ = ["CONVERTERS", "register", "SelfAttentionMixin", "IntermediateMixin", "OutputMixin",
            "converted_class"]
@@ -253,7 +254,7 @@ class _SplitHeads(torch.autograd.Function):
         b, length, heads = ctx.dims
         ref = next(g for g in (dq, dk, dv) if g is not None)
         dh = ref.shape[-1]
-        out = ref.new_empty(b, length, 3, heads, dh)
+        out = _host.torch_empty(b, length, 3, heads, dh, dtype=ref.dtype, like=ref)
         view = out.permute(2, 0, 3, 1, 4)
         for i, g in enumerate((dq, dk, dv)):
             if g is None:

@@ -59,8 +59,13 @@ def test_embeddings_match_the_original(models, tok):
         with torch.no_grad():
             want = model(**batch).last_hidden_state
             got = fast(**batch).last_hidden_state
-        assert (got - want).abs().max() <= 1e-4
         mask = batch["attention_mask"]
+        # the tokens' hidden states within 1e-4 (measured: <= 5e-6); a padding position's
+        # state is computed too but used by nothing, and it is far more sensitive to rounding
+        # (a query of padding over 3 real keys: up to 1.4e-4 between two f32 summation orders)
+        real = mask.bool()
+        assert (got - want).abs()[real].max() <= 1e-4
+        assert (got - want).abs()[~real].max() <= 1e-3
         cos = torch.nn.functional.cosine_similarity(mean_pool(got, mask),
                                                     mean_pool(want, mask), dim=-1)
         assert float(cos.min()) >= 0.99999
