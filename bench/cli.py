@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     from . import progress
     bar = progress.start(config.verbose)
     ctx.progress = bar.step if bar else None
+    from .timing import steady_malloc
+    malloc = steady_malloc()     # freed large outputs stay in the process: no page-fault lottery
     t0 = time.perf_counter()
     status = 0
     try:
@@ -269,7 +271,7 @@ def main(argv=None) -> int:
     details = sysinfo.collect()
     mode = "tiny" if config.tiny else ("quick" if config.quick else "standard")
     header = (f"tpp-bench | {sysinfo.summary_line(details)} | threads {config.threads} | "
-              f"{mode} | clock {clock} | {time.perf_counter() - t0:.0f} s")
+              f"{mode} | clock {clock} | malloc {malloc} | {time.perf_counter() - t0:.0f} s")
     from . import report
     # with --json - or --csv - the records go to stdout, so the table goes to stderr
     to_stdout = "-" in (args.json, args.csv)

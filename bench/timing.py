@@ -236,3 +236,18 @@ def summarize(values) -> Stats:
     """Stats of a list of single measurements (seconds)."""
     v = sorted(values)
     return Stats(quantile(v, 0.5), quantile(v, 0.2), quantile(v, 0.8), len(v), 1, tuple(v))
+
+
+def steady_malloc() -> str:
+    """Pin glibc's malloc (mmap threshold 32 MiB, trim threshold 1 GiB) so that freed large
+    blocks stay in the process and no provider page-faults its outputs in again by the luck
+    of the heap's layout (bench/suites/norm.py's docstring tells the story). The CLI calls it
+    before any suite, so every suite runs under it; idempotent. "steady", or "glibc default"
+    where it is not possible (another libc)."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 1 << 30) == 1
+    except (OSError, AttributeError):
+        ok = False
+    return "steady" if ok else "glibc default"

@@ -128,5 +128,16 @@ def _need(need, count):
     return tuple(bool(v) for v in need)
 
 
+ALIGNED_BYTES = 1 << 20     # outputs this big start at a 64-byte boundary (_np_empty)
+
+
 def _np_empty(shape, dtype, like):
-    return np.empty(shape, dtype.numpy)
+    """np.empty, but at a 64-byte boundary from ALIGNED_BYTES up (a view of a slightly larger
+    buffer): tpp_cpu's equations then stream their block outputs with one non-temporal store
+    per vector instead of four 16-byte pieces (numpy promises 16-byte alignment only)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < ALIGNED_BYTES:
+        return np.empty(shape, dtype.numpy)
+    buf = np.empty(nbytes + 64, np.uint8)
+    start = -buf.ctypes.data % 64
+    return buf[start:start + nbytes].view(dtype.numpy).reshape(shape)

@@ -69,6 +69,57 @@ def _lean(nodes):
     return [memo[n] for n in nodes]
 
 
+def _zero_sums(nodes, zeros):
+    """nodes with the row sums of `zeros` (blocks whose sum along a row is 0 by the forward's
+    definition: x - mean(x)) taken as 0: a sum along axis 1 whose argument is a sum of terms
+    c * z (c per-row or scalar, z in zeros, through add, sub, neg and mul) loses those terms.
+    The gradient of LayerNorm's variance reaches x through the mean as such a sum (zero in exact
+    arithmetic, a rounding error in f32); computed, it is a second reduction level (one more
+    pass over each row) for a term that torch's formula does not have."""
+    zeros = set(zeros)
+
+    def terms(e):
+        """[(coefficient nodes, sign, block term)] with e = sum of sign * prod(coef) * term."""
+        if e in zeros:
+            return [((), 1, e)]
+        if e.op in ("add", "sub") and e.shape == "block":
+            a, b = terms(e.args[0]), terms(e.args[1])
+            if e.op == "sub":
+                b = [(c, -sg, t) for c, sg, t in b]
+            return a + b
+        if e.op == "neg" and e.shape == "block":
+            return [(c, -sg, t) for c, sg, t in terms(e.args[0])]
+        if e.op == "mul" and e.shape == "block":
+            a, b = e.args
+            if a.shape != "block":
+                a, b = b, a
+            if b.shape in ("col", "scalar"):
+                return [(c + (b,), sg, t) for c, sg, t in terms(a)]
+        return [((), 1, e)]
+
+    def rewritten(r):
+        parts = terms(r.args[0])
+        if not any(t in zeros for _, _, t in parts):
+            return r
+        total = X.const(0.0)
+        for coef, sign, t in parts:
+            if t in zeros:
+                continue
+            value = X.reduce("rsum", t, 1)
+            for c in coef:
+                value = X.mul(value, c)
+            total = X.add(total, value) if sign > 0 else X.sub(total, value)
+        return total
+
+    mapping = {}
+    for n in X.topological(nodes):
+        if n.op == "rsum" and n.attr[0] == 1 and n.args[0].shape == "block":
+            got = rewritten(n)
+            if got is not n:
+                mapping[n] = got
+    return X.substitute(list(nodes), mapping) if mapping else list(nodes)
+
+
 def _grad(outputs, wrt, cotangents, stop=()):
     from tpp.core.autodiff import grad
     return grad(outputs, wrt, cotangents, stop_gradient=stop)
@@ -106,26 +157,22 @@ def _ln_forward(rows, n, dt, wdt, has_w, has_b, stats=True):
 
 
 def _ln_backward(rows, n, dt, wdt, has_w, has_b, need):
-    """Two equations: dx (per-row reductions only: the rowwise schedule, in L1) and the
-    weight and bias partial rows (axis-0 reductions only: one pass over the block)."""
+    """One equation: dx (per-row reductions: tpp_cpu's rowwise schedule, each row in L1
+    across its two passes) and the weight and bias partial rows (sums down the columns, folded
+    into dx's pass)."""
     scratch = tpp.equation(rows, n)       # the forward graph (hash-consed: same nodes)
     x, w, b, mu, s, rstd, y = _ln_forward_graph(scratch, has_w, has_b, dt, wdt)
     dy = X.input("dy")
     grads = _grad([y], [t for t in (x, w, b) if t is not None], [dy])
+    grads = _zero_sums(grads, [x - mu])         # sum(x - mean(x)) = 0
     grads = _lean(_saved(grads, {mu: X.input("mean", "col"), rstd: X.input("rstd", "col"),
                                  s: 1.0 / X.input("rstd", "col")}))
     named = dict(zip([nm for nm, t in zip(("dx", "dweight", "dbias"), (x, w, b))
                       if t is not None], grads))
-    specs = []
-    if need[0]:
-        eq = _declare(rows, n, dt, wdt, has_w, "x", "dy", "weight", "mean", "rstd")
-        specs.append(eq.spec(dx=named["dx"], dtypes={"dx": dt}))
-    params = {nm: named[nm] for nm, want in zip(("dweight", "dbias"), need[1:])
-              if want and nm in named}
-    if params:
-        eq = _declare(rows, n, dt, wdt, False, "x", "dy", "mean", "rstd")
-        specs.append(eq.spec(**params))
-    return tuple(specs)
+    outputs = {nm: named[nm] for nm, want in zip(("dx", "dweight", "dbias"), need)
+               if want and nm in named}
+    eq = _declare(rows, n, dt, wdt, has_w and need[0], "x", "dy", "weight", "mean", "rstd")
+    return (eq.spec(**outputs, dtypes={"dx": dt} if need[0] else None),)
 
 
 def _declare(rows, n, dt, wdt, has_w, *names):
@@ -162,19 +209,16 @@ def _rms_forward(rows, n, dt, wdt, has_w, stats=True):
 
 
 def _rms_backward(rows, n, dt, wdt, has_w, need):
-    """dx (rowwise) and the weight's partial rows (axis 0), as for _ln_backward."""
+    """dx and the weight's partial rows in one equation, as for _ln_backward."""
     x, w, s, rstd, y = _rms_forward_graph(tpp.equation(rows, n), has_w, dt, wdt)
     grads = _grad([y], [x] + ([w] if has_w else []), [X.input("dy")])
     grads = _lean(_saved(grads, {rstd: X.input("rstd", "col"),
                                  s: 1.0 / X.input("rstd", "col")}))
-    specs = []
-    if need[0]:
-        eq = _declare(rows, n, dt, wdt, has_w, "x", "dy", "weight", "rstd")
-        specs.append(eq.spec(dx=grads[0], dtypes={"dx": dt}))
+    outputs = {"dx": grads[0]} if need[0] else {}
     if has_w and need[1]:
-        eq = _declare(rows, n, dt, wdt, False, "x", "dy", "rstd")
-        specs.append(eq.spec(dweight=grads[1]))
-    return tuple(specs)
+        outputs["dweight"] = grads[1]
+    eq = _declare(rows, n, dt, wdt, has_w and need[0], "x", "dy", "weight", "rstd")
+    return (eq.spec(**outputs, dtypes={"dx": dt} if need[0] else None),)
 
 
 def _softmax_graph(eq, dt, mask, mdt, scaled):
@@ -244,8 +288,8 @@ def _bad_forward(rows, n, dt, bdt, has_b, activation, p):
 
 
 def _bad_backward(rows, n, dt, bdt, has_b, activation, p, need):
-    """dx (element-wise) and the bias's partial rows: the bias's adjoint is the axis-0 sum of
-    x's, so the second equation reads the dx just written (in L2) instead of recomputing."""
+    """dx (element-wise) and the bias's partial rows (the axis-0 sum of x's adjoint, folded
+    into the pass that computes it) in one equation."""
     eq = tpp.equation(rows, n)
     x = eq.input("x", dtype=dt)
     b = eq.input("bias", dtype=bdt, bcast="row") if has_b else None
@@ -256,14 +300,10 @@ def _bad_backward(rows, n, dt, bdt, has_b, activation, p, need):
         y = X.select(eq.mask("keep"), y * float(1.0 / (1.0 - p)), 0.0)
     dy = eq.input("dy", dtype=dt)
     grads = _lean(_grad([y], [x] + ([b] if has_b else []), [dy]))
-    if not (has_b and need[1]):
-        return (eq.spec(dx=grads[0], dtypes={"dx": dt}),)
-    if not need[0]:
-        return (eq.spec(dbias=grads[1]),)
-    second = tpp.equation(rows, n)
-    dx_in = second.input("dx", dtype=dt)
-    dbias, = _saved([grads[1]], {grads[0]: dx_in})
-    return (eq.spec(dx=grads[0], dtypes={"dx": dt}), second.spec(dbias=dbias))
+    outputs = {"dx": grads[0]} if need[0] else {}
+    if has_b and need[1]:
+        outputs["dbias"] = grads[1]
+    return (eq.spec(**outputs, dtypes={"dx": dt} if need[0] else None),)
 
 
 def per_row_terms(spec):

@@ -261,3 +261,130 @@ def test_softmax_down_the_columns_keeps_exp_and_matches_numpy(m, n):
     finally:
         gen.KEPT_ELEMENTS = saved
     assert kept < recomputed
+
+
+def _schedule(k):
+    """The generator of k's spec after generating it (its schedule flags)."""
+    import tpp_cpu.equation as gen
+    from tpp_cpu.target import current
+    g = gen._Gen(k.spec, current(), "probe")
+    g.generate()
+    return g
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (1, 100), (5, 37), (7, 16), (3, 80), (32, 1024)])
+@pytest.mark.parametrize("with_dx", [True, False])
+def test_rowwise_folds_sums_down_the_columns(m, n, with_dx):
+    """Sums (max, min) down the columns that are outputs only join the rowwise schedule (stack
+    rows filled in the output pass, beside a per-row reduction and a block output or alone);
+    a column sum that another node uses keeps the general one. numpy's values."""
+    eq = tpp.equation(m, n)
+    x, dy, c = eq.input("x"), eq.input("dy"), eq.input("c", bcast="col")
+    g = dy * (x * c - c)
+    outs = dict(dw=eq.sum(g, axis=0), db=eq.sum(dy, axis=0), hi=eq.max(x, axis=0),
+                lo=eq.min(x * dy, axis=0))
+    if with_dx:
+        outs["dx"] = g - eq.sum(g * x, axis=1) * x
+    k = eq.compile(**outs)
+    assert _schedule(k).rowwise and len(_schedule(k).down) == 4
+    xa, dya, ca = _rand(m, n), _rand(m, n), _rand(m)
+    got = k(x=xa, dy=dya, c=ca)
+    x64, c64 = xa.astype(np.float64), ca[:, None].astype(np.float64)
+    g64 = dya * (x64 * c64 - c64)
+    np.testing.assert_allclose(got.dw, g64.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.db, dya.sum(0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.hi, xa.max(0))
+    np.testing.assert_array_equal(got.lo, (xa * dya).min(0))
+    if with_dx:
+        np.testing.assert_allclose(got.dx, g64 - (g64 * x64).sum(1, keepdims=True) * x64,
+                                   rtol=1e-4, atol=1e-4)
+    eq2 = tpp.equation(m, n)
+    x2 = eq2.input("x")
+    s = eq2.sum(x2, axis=0)
+    used = eq2.compile(x2 * s, s=s)
+    assert not _schedule(used).rowwise
+    np.testing.assert_allclose(used(x=xa).out, xa * x64.sum(0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,n", [(1, 16), (3, 37), (9, 1024)])
+def test_rowwise_second_pass_prefetches_the_next_row(m, n):
+    """A rowwise kernel whose second pass does PREFETCH_OPS or more block operations per vector
+    prefetches the next row's inputs there (past the last row too: a prefetch never faults);
+    a cheap second pass does not. Results as numpy's."""
+    eq = tpp.equation(m, n)
+    x, dy, w = eq.input("x"), eq.input("dy"), eq.input("w", bcast="row")
+    g = dy * w
+    s = eq.sum(g * x, axis=1)
+    heavy = eq.compile((g - s * x) * x + g * 0.5)
+    eq2 = tpp.equation(m, n)
+    x2 = eq2.input("x")
+    cheap = eq2.compile(x2 - eq2.sum(x2, axis=1))
+    assert _schedule(heavy).prefetching and "prefetcht0" in heavy.dump("asm")
+    assert not _schedule(cheap).prefetching and "prefetch" not in cheap.dump("asm")
+    xa, dya, wa = _rand(m, n), _rand(m, n), _rand(n)
+    ga = dya * wa
+    sa = (ga.astype(np.float64) * xa).sum(1, keepdims=True)
+    np.testing.assert_allclose(heavy(x=xa, dy=dya, w=wa), (ga - sa * xa) * xa + ga * 0.5,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,n", [(2, 16), (5, 37), (9, 128), (64, 256)])
+def test_short_rows_run_in_groups(m, n):
+    """Short rows of a one-input rowwise kernel go ROW_GROUP at a time (each with its own
+    accumulators and kept exp buffer; an odd last row alone); two-input kernels one at a time.
+    Softmax and LayerNorm as numpy's."""
+    import tpp_cpu.equation as gen
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    e = eq.exp(x - eq.max(x, axis=1))
+    sm = eq.compile(e / eq.sum(e, axis=1), s=eq.sum(e, axis=1))
+    ln = _layer_norm_eq(m, n)
+    assert _schedule(sm).group == gen.ROW_GROUP == 2 and _schedule(sm).kept
+    assert _schedule(ln).group == 2         # one block input (g and b are rows)
+    xa = _rand(m, n) * 3
+    g, b = _rand(n), _rand(n)
+    x64 = xa.astype(np.float64)
+    mu = x64.mean(1, keepdims=True)
+    rstd = 1 / np.sqrt(((x64 - mu) ** 2).mean(1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(ln(x=xa, g=g, b=b, eps=1e-5).out, (x64 - mu) * rstd * g + b,
+                               rtol=2e-5, atol=2e-5)
+    res = sm(x=xa)
+    z = np.exp(xa.astype(np.float64) - xa.max(1, keepdims=True))
+    np.testing.assert_allclose(res.out, z / z.sum(1, keepdims=True), rtol=3e-6, atol=1e-7)
+    np.testing.assert_allclose(res.s, z.sum(1), rtol=3e-6)
+    eq2 = tpp.equation(m, n)
+    a, b = eq2.input("a"), eq2.input("b")
+    two = eq2.compile(a * b - eq2.sum(a * b, axis=1))
+    assert _schedule(two).group == 1
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_streaming_whole_vectors_or_pieces(dtype):
+    """A streaming kernel stores whole vectors non-temporally where every block output is
+    64-byte aligned, in 16-byte pieces where it is only 16-byte aligned: the same values."""
+    m, n = 6, 64
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    k = eq.compile(x * 2.0 - eq.max(x, axis=1), dtypes={"out": dtype}, stream=True)
+    if dtype == "f32":
+        assert "vmovntps\t%zmm" in k.dump("asm")
+    xa = _rand(m, n)
+    want = xa * 2 - xa.max(1, keepdims=True)
+    np_dt = np.float32 if dtype == "f32" else BF16.numpy
+    for offset in (0, 16):
+        buf = np.zeros(m * n * np.dtype(np_dt).itemsize + 128, np.uint8)
+        start = -buf.ctypes.data % 64 + offset
+        out = buf[start:start + m * n * np.dtype(np_dt).itemsize].view(np_dt).reshape(m, n)
+        k(x=xa, out=out)
+        np.testing.assert_allclose(out.astype(np.float32), want,
+                                   rtol=1e-6 if dtype == "f32" else 1e-2, atol=1e-2)
+
+
+def test_norm_outputs_are_64_byte_aligned():
+    """ops.norms allocates large numpy outputs at 64-byte boundaries (whole-vector streaming)."""
+    import ops.norms as N
+    x = _rand(512, 1024)
+    y = N.layer_norm(x)
+    assert y.ctypes.data % 64 == 0 and y.shape == x.shape and y.flags.c_contiguous
+    small = N.layer_norm(_rand(4, 16))
+    assert small.shape == (4, 16)

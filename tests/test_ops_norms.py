@@ -325,6 +325,26 @@ def test_dropin_fallbacks_and_double_backward():
         tn.rms_norm(torch.randn(3, 8), (8,), torch.randn(7))
 
 
+def test_layer_norm_backward_equations():
+    """One equation: dx reading each row twice (its per-row sums, then dx: the gradient's sum
+    of c * (x - mean) over a row, zero by the mean's definition, is not computed, _zero_sums),
+    dweight and dbias folded into the second pass; the same without dx."""
+    from tpp.core import dtypes
+    from tpp.core import expr as X
+
+    import ops.norm_graphs as G
+    f32 = dtypes.F32
+    spec, = G._ln_backward(32, 1024, f32, f32, True, True, (True, True, True))
+    assert [o[0] for o in spec.outputs] == ["dx", "dweight", "dbias"]
+    levels = {}
+    for nd in X.topological(spec.nodes):
+        below = max((levels[a] for a in nd.args), default=0)
+        levels[nd] = below + (nd.op in X.REDUCTIONS)
+    assert levels[spec.nodes[0]] == 1
+    alone, = G._ln_backward(32, 1024, f32, f32, True, True, (False, True, True))
+    assert [o[0] for o in alone.outputs] == ["dweight", "dbias"]
+
+
 # ---------------------------------------------------------------- the bench suite
 def test_bench_norm_suite_tiny(tmp_path, capsys, monkeypatch):
     """tpp-bench norm --tiny: every case for tpp and torch, the copy yardstick, ratios and
@@ -362,6 +382,8 @@ def test_bench_norm_suite_tiny(tmp_path, capsys, monkeypatch):
         assert r["unit"] == "GB/s" and r["extra"]["threads"] == 1
         if r["case"].startswith("fused"):
             assert r["provider"] != "tpp" or set(r["ratios"]) == {"chain"}
-        elif r["provider"] == "tpp":
+            continue
+        assert r["extra"]["malloc"] in ("steady", "glibc default")
+        if r["provider"] == "tpp":
             assert set(r["ratios"]) == {"torch"} and r["extra"]["verified"] is True
             assert 0 < r["extra"]["copy_fraction"]

@@ -11,9 +11,30 @@ Two schedules:
   rowwise  every reduction is along axis 1 of a block: for each row, the passes run over that
            row alone (it stays in L1 between them), accumulators in registers (UNROLL vectors
            per reduction, one per unrolled vector, combined and reduced horizontally once).
+           Sums (max, min) down the columns of a block that are outputs and nothing else (the
+           partial rows of a weight gradient beside dx) may join them: each accumulates in a
+           stack row (n values, in L1) during the output pass, and is stored after the last
+           row. 4096 x 1024 LayerNorm backward, dx and the dweight, dbias partial rows in one
+           equation: 1.95 -> 1.8 ms (two equations, the second re-reading the block from L2).
   general  any other mix: each pass runs over the whole block; an axis-0 result (n values) and
            an axis-1 result (m values) live in stack arrays, a scalar result in one slot. Within
            a row, the axis-1 reductions of a pass accumulate in registers as in rowwise.
+
+Row groups: a short row (GROUP_VECTORS vectors or fewer) is mostly per-row latency: the
+horizontal reductions, the reciprocal, the broadcasts, each waiting for the pass before. A
+rowwise kernel with one block input then runs ROW_GROUP rows together, each pass over both
+(their chains interleaved, accumulators and kept row buffers of their own). 32768 x 128 f32,
+one thread: softmax 2.0 -> 1.65 ms, LayerNorm 1.57 -> 1.21 ms, RMSNorm 1.07 -> 0.84 ms; with
+two block inputs (the backward kernels) it measured 10-30 % slower, and groups of 4 were
+slower than none.
+
+Prefetch: in the rowwise schedule, a row's first pass reads it from memory and the later ones
+from L1, where no load misses and the hardware prefetchers (which stop at each 4 KiB page, a row
+of 1024 f32) do not run ahead into the next row. When the second pass computes enough per
+vector (PREFETCH_OPS block operations or more: LayerNorm's and RMSNorm's dx, not their
+forward), it prefetches the next row of every block input, a line per vector, so that memory
+works while the core computes (4096 x 1024 f32 LayerNorm dx, one thread: 1.8 -> 1.5 ms;
+passes of 2-3 operations, softmax's and the forwards', lost 5-10 % with it).
 
 Values that do not vary along a row (per-row or scalar nodes) are computed once per row or once
 per kernel, not per vector. A transcendental needed by several passes is computed once and kept
@@ -36,6 +57,18 @@ from .irx import F32, I32, const, i64, vec
 _IDENTITY = {"rsum": -0.0, "rmax": -math.inf, "rmin": math.inf}
 UNROLL = 4      # vectors per step of a rowwise reduction loop, each with its own accumulator
 KEPT_ELEMENTS = 1 << 14   # f32 a rowwise kernel may keep on its stack (see _Gen.plan_kept)
+ROW_GROUP = 2             # rows a rowwise kernel with short rows processes together (group)
+GROUP_VECTORS = 16        # "short": at most this many vectors per row
+PREFETCH_OPS = 4          # block operations per vector from which pass 2 prefetches (plan_prefetch)
+
+
+def _aligned(slots):
+    """A stack buffer at a cache-line boundary: its vectors are read and written whole (LLVM
+    otherwise aligns an f32 array to 16 bytes, so that every vector spans two lines and, as
+    the stack falls, some span two pages: 32768 x 128 softmax's kept exp rows took 1.4 or
+    2.7 ms by the size of the process's environment)."""
+    slots.align = 64
+    return slots
 
 
 def _levels(order) -> dict:
@@ -92,12 +125,22 @@ class _Gen:
         self.level = _levels(self.order)
         self.reductions = [nd for nd in self.order if nd.op in X.REDUCTIONS]
         self.depth = max((self.level[r] for r in self.reductions), default=0)
-        self.rowwise = all(r.attr[0] == 1 and r.args[0].shape == "block"
-                           for r in self.reductions)
+        along = [r for r in self.reductions if r.attr[0] == 1 and r.args[0].shape == "block"]
+        used = {a for nd in self.order for a in nd.args}
+        self.down = [r for r in self.reductions if r.attr[0] == 0 and r.args[0].shape == "block"
+                     and r not in used]
+        self.rowwise = len(along) + len(self.down) == len(self.reductions)
+        if self.rowwise and self.down:      # folded in the output pass: no pass of their own
+            self.depth = max((self.level[r] for r in along), default=0)
         self.full, self.tail = divmod(self.n, self.w)
         self.storage = {}
         self.done = set()          # reductions whose stored results are complete (general)
         self.kept = {}             # node -> (row buffer, the pass computing it) (rowwise)
+        self.prefetching = False   # pass 2 prefetches the next row (plan_prefetch)
+        vectors = -(-self.n // self.w)
+        streams = sum(1 for o in operands if o.role == "in" and o.layout == "block")
+        self.group = ROW_GROUP if (self.rowwise and self.depth and vectors <= GROUP_VECTORS
+                                   and streams == 1 and self.m >= ROW_GROUP) else 1
 
     # ------------------------------------------------------------ leaves
     def leaf_fn(self, row, col, count):
@@ -155,9 +198,28 @@ class _Gen:
                     f"equation: this mix of reductions keeps {length} values per reduction on "
                     f"the stack (at most {MAX_STAGE_ELEMENTS}); use a smaller block")
             padded = -(-length // w) * w if r.shape == "row" else max(length, 1)
-            slots = b.alloca(F32, size=padded + w)
+            slots = _aligned(b.alloca(F32, size=padded + w))
             # an untyped pointer like the operands' (irx addresses memory through those)
             self.storage[r] = b.inttoptr(b.ptrtoint(slots, irx.I64), irx.PTR)
+
+    def allocate_down(self):
+        """A stack row for each sum down the columns (rowwise schedule)."""
+        padded = -(-self.n // self.w) * self.w
+        if padded > MAX_STAGE_ELEMENTS:
+            raise UnsupportedError(
+                f"equation: a reduction along axis 0 keeps {padded} values on the stack (at "
+                f"most {MAX_STAGE_ELEMENTS})")
+        for r in self.down:
+            slots = _aligned(self.b.alloca(F32, size=padded + self.w))
+            self.storage[r] = self.b.inttoptr(self.b.ptrtoint(slots, irx.I64), irx.PTR)
+
+    def fold_down(self, values, col, count):
+        """Fold one vector of each sum down the columns into its stack row."""
+        b, w = self.b, self.w
+        for r, v in zip(self.down, values):
+            p = self.storage[r]
+            v = self.masked(r, v, count)
+            irx.store_vec(b, _combine(b, r.op, irx.load_vec(b, p, col, F32, w), v), p, col)
 
     def result_ptr(self, r):
         return self.storage[r]
@@ -189,22 +251,53 @@ class _Gen:
                 if nd.op == "prim" and nd.shape == "block":
                     stages.setdefault(nd, []).append(level)
         self.padded = padded = -(-self.n // self.w) * self.w
-        size = padded if self.rowwise else self.m * padded
+        size = padded * self.group if self.rowwise else self.m * padded
         budget = KEPT_ELEMENTS
         for nd, used in stages.items():
             if len(used) > 1 and size <= budget:
                 budget -= size
-                slots = self.b.alloca(F32, size=size)
+                slots = _aligned(self.b.alloca(F32, size=size))
                 self.kept[nd] = (self.b.inttoptr(self.b.ptrtoint(slots, irx.I64), irx.PTR),
                                  used[0])
 
-    def chunk_render(self, nodes, memo, row, col, count, stage):
+    def plan_prefetch(self):
+        """Whether the second pass over a row (rowwise) prefetches the next row: see the module
+        docstring. Counts the block operations that pass evaluates per vector."""
+        if not self.rowwise or not self.depth:
+            return
+        if self.depth >= 2:
+            targets = [r.args[0] for r in self.reductions if self.level[r] == 2]
+        else:
+            targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
+        inside = X.topological(targets, lambda nd: nd.op in X.REDUCTIONS or nd.shape != "block")
+        ops = sum(1 for nd in inside if nd.shape == "block" and nd.op not in X.LEAVES
+                  and nd.op not in X.REDUCTIONS)
+        self.prefetching = ops >= PREFETCH_OPS
+
+    def prefetch(self, row, col, stage):
+        """In pass 2 (when planned), prefetch the vector at (row + 1, col) of every block
+        input (past the block's last row: the caller's next block, or nothing)."""
+        if not self.prefetching or stage != 2:
+            return
+        b = self.b
+        for name, o in self.operand.items():
+            if o.layout == "block" and o.role == "in":
+                offset = b.add(b.mul(b.add(row, i64(self.group)), i64(o.ld)), col)
+                ptr = irx.element_ptr(b, self.ptr[name], offset, irx.storage_type(o.dtype))
+                irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, 0), ir.Constant(I32, 3),
+                         ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[irx.PTR])
+
+    def chunk_render(self, nodes, memo, row, col, count, stage, slot=0):
         """render() of one vector in pass `stage`, reading kept values computed by an earlier
-        pass and keeping those this pass computes first."""
+        pass and keeping those this pass computes first (rowwise: in the row buffer `slot`,
+        the row's place in its group)."""
         chunk = dict(memo)
         if not self.kept or stage is None:
             return self.render(nodes, chunk, row, col, count)
-        at = col if self.rowwise else self.b.add(self.b.mul(row, i64(self.padded)), col)
+        if self.rowwise:
+            at = self.b.add(col, i64(slot * self.padded)) if slot else col
+        else:
+            at = self.b.add(self.b.mul(row, i64(self.padded)), col)
         for nd, (buf, first) in self.kept.items():
             if first < stage:
                 chunk[nd] = irx.load_vec(self.b, buf, at, F32, self.w)
@@ -245,45 +338,59 @@ class _Gen:
             stack.extend(a for a in x.args if a not in memo)
         return True
 
-    def rowwise_level(self, row, memo, reds, stage=None):
-        """Accumulate this level's reductions over one row (UNROLL accumulators each, one per
-        vector of an unrolled step); put their splatted results into memo."""
+    def rowwise_level(self, rows, memos, reds, stage=None):
+        """Accumulate this level's reductions over each row of `rows` (a group processed
+        together; UNROLL accumulators per reduction and row, one per vector of an unrolled
+        step); put their splatted results into that row's memo."""
         b, w, k = self.b, self.w, len(reds)
+        group = len(rows)
         args = [r.args[0] for r in reds]
         unroll = max(1, min(UNROLL, self.full))
-        accs = [const(vec(F32, w), _IDENTITY[r.op]) for r in reds] * unroll
+        per_row = k * unroll
+        accs = [const(vec(F32, w), _IDENTITY[r.op]) for r in reds] * (unroll * group)
+
+        def fold(accs, u, col, count):
+            for g, (row, memo) in enumerate(zip(rows, memos)):
+                values = self.chunk_render(args, memo, row, col, count, stage, g)
+                if count is None:
+                    self.prefetch(row, col, stage)
+                for i, r in enumerate(reds):
+                    v = self.masked(r, values[i], count)
+                    at = g * per_row + u * k + i
+                    accs[at] = _combine(b, r.op, accs[at], v)
+
         steps = self.full // unroll
         if steps:
             with irx.for_carry(b, steps * unroll * w, accs, step=unroll * w, name="red") as st:
                 new = list(st.values)
                 for u in range(unroll):
-                    col = b.add(st.index, i64(u * w)) if u else st.index
-                    values = self.chunk_render(args, memo, row, col, None, stage)
-                    for i, r in enumerate(reds):
-                        new[u * k + i] = _combine(b, r.op, new[u * k + i], values[i])
+                    fold(new, u, b.add(st.index, i64(u * w)) if u else st.index, None)
                 st.values = new
-            accs = st.values
+            accs = list(st.values)
         for j in range(steps * unroll, self.full):       # leftover full vectors
-            values = self.chunk_render(args, memo, row, i64(j * w), None, stage)
-            u = j % unroll
-            for i, r in enumerate(reds):
-                accs[u * k + i] = _combine(b, r.op, accs[u * k + i], values[i])
+            fold(accs, j % unroll, i64(j * w), None)
         if self.tail:
-            values = self.chunk_render(args, memo, row, i64(self.full * w), self.tail, stage)
+            fold(accs, 0, i64(self.full * w), self.tail)
+        for g, memo in enumerate(memos):
             for i, r in enumerate(reds):
-                accs[i] = _combine(b, r.op, accs[i], self.masked(r, values[i], self.tail))
-        for i, r in enumerate(reds):
-            total = _tree(b, r.op, [accs[u * k + i] for u in range(unroll)])
-            memo[r] = _horizontal(b, r.op, total)
+                total = _tree(b, r.op, [accs[g * per_row + u * k + i] for u in range(unroll)])
+                memo[r] = _horizontal(b, r.op, total)
 
-    def store_outputs(self, memo, row, col, count, shapes, streaming=False, stage=None):
+    def store_outputs(self, memo, row, col, count, shapes, streaming=False, stage=None, slot=0,
+                      down=()):
         """Render and store the outputs of the given shapes for the vector at (row, col);
-        streaming: full vectors of blocks with non-temporal stores (see irx.with_streaming)."""
+        streaming: full vectors of blocks with non-temporal stores (see irx.with_streaming);
+        down: the sums down the columns folded in here (rowwise)."""
         b = self.b
         chosen = [(nd, o) for nd, o in self.outputs if nd.shape in shapes]
-        if not chosen:
+        if not chosen and not down:
             return
-        values = self.chunk_render([nd for nd, _ in chosen], memo, row, col, count, stage)
+        values = self.chunk_render([nd for nd, _ in chosen] + [r.args[0] for r in down], memo,
+                                   row, col, count, stage, slot)
+        if down:
+            self.fold_down(values[len(chosen):], col, count)
+        if count is None and row is not None:
+            self.prefetch(row, col, stage)
         for (nd, (name, layout, dt, ld)), value in zip(chosen, values):
             p = self.ptr[name]
             o = self.operand[name]
@@ -291,8 +398,11 @@ class _Gen:
                 offset = b.add(b.mul(row, i64(mask_bytes(self.n))), b.udiv(col, i64(8)))
                 irx.store_bits(b, value, p, offset, count)
             elif layout == "block":
-                irx.store_f32(b, value, p, b.add(b.mul(row, i64(o.ld)), col), dt, count,
-                              streaming and count is None)
+                offset = b.add(b.mul(row, i64(o.ld)), col)
+                if streaming == "whole" and count is None:
+                    _store_whole_nt(b, irx.from_f32(b, value, dt), p, offset, dt)
+                else:
+                    irx.store_f32(b, value, p, offset, dt, count, streaming and count is None)
             elif layout == "vector" and nd.shape == "row":
                 irx.store_f32(b, value, p, col, dt, count)
             else:      # col: one value per row; scalar: one value
@@ -307,12 +417,16 @@ class _Gen:
         if entry_nodes:
             self.render(entry_nodes, base, None, None)
         self.plan_kept()
+        self.plan_prefetch()
+        if self.rowwise and self.down:
+            self.allocate_down()
         emit = self.emit_rowwise if self.rowwise else self.emit_general
         blocks = [(self.ptr[name], self.m, ld * dt.itemsize)
                   for name, layout, dt, ld in self.spec.outputs if layout == "block"]
         if self.full and blocks:
-            irx.with_streaming(b, blocks, lambda streaming: emit(dict(base), streaming),
-                               force=self.spec.stream)
+            irx.with_streaming(b, blocks, lambda streaming: _whole_or_pieces(
+                b, blocks, streaming, lambda how: emit(dict(base), how)),
+                force=self.spec.stream)
         else:
             emit(base, False)
         b.ret_void()
@@ -322,18 +436,42 @@ class _Gen:
         b = self.b
         # row-shaped and scalar outputs use no reduction here: once, before the rows
         self.store_outputs(dict(base), i64(0), i64(0), 1, ("scalar",))
-        self.chunks(lambda col, count: self.store_outputs(dict(base), None, col, count, ("row",)))
-        with irx.for_range(b, self.m, name="row") as row:
-            memo = dict(base)
-            for level in range(1, self.depth + 1):
+        row_outputs = lambda col, count: self.store_outputs(  # noqa: E731
+            dict(base), None, col, count, ("row",))
+        for r in self.down:         # each stack row starts at the identity
+            with irx.for_range(b, -(-self.n // self.w) * self.w, step=self.w, name="init") as k:
+                irx.store_vec(b, const(vec(F32, self.w), _IDENTITY[r.op]), self.storage[r], k)
+        if not self.down:
+            self.chunks(row_outputs)
+        group = self.group
+        whole = self.m - self.m % group
+        if whole:
+            with irx.for_range(b, whole, step=group, name="row") as row:
+                rows = [row] + [b.add(row, i64(g)) for g in range(1, group)]
+                self.rowwise_rows(rows, base, streaming)
+        for r in range(whole, self.m):      # rows past the last group, one at a time
+            self.rowwise_rows([i64(r)], base, streaming)
+        if self.down:       # the row-shaped outputs, the sums down the columns among them
+            self.chunks(row_outputs)
+
+    def rowwise_rows(self, rows, base, streaming):
+        """The passes of the rowwise schedule over a group of rows, together."""
+        memos = [dict(base) for _ in rows]
+        for level in range(1, self.depth + 1):
+            for row, memo in zip(rows, memos):
                 self.row_values(row, memo)
-                reds = [r for r in self.reductions if self.level[r] == level]
-                self.rowwise_level(row, memo, reds, level)
+            reds = [r for r in self.reductions if self.level[r] == level
+                    and r not in self.down]
+            self.rowwise_level(rows, memos, reds, level)
+        for row, memo in zip(rows, memos):
             self.row_values(row, memo)
             self.store_outputs(memo, row, i64(0), 1, ("col",))
-            self.chunks(lambda col, count: self.store_outputs(dict(memo), row, col, count,
-                                                              ("block",), streaming,
-                                                              self.depth + 1))
+
+        def body(col, count):
+            for g, (row, memo) in enumerate(zip(rows, memos)):
+                self.store_outputs(dict(memo), row, col, count, ("block",), streaming,
+                                   self.depth + 1, g, self.down)
+        self.chunks(body)
 
     def emit_general(self, base, streaming):
         b, w = self.b, self.w
@@ -364,7 +502,7 @@ class _Gen:
                         self.accumulate(per_row, memo, row, None, None)
                     along = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 1]
                     if along:       # along the row: register accumulators, then one store
-                        self.rowwise_level(row, memo, along, level)
+                        self.rowwise_level([row], [memo], along, level)
                         for r in along:
                             lane = b.extract_element(memo.pop(r), ir.Constant(I32, 0))
                             b.store(lane, irx.element_ptr(b, self.result_ptr(r), row, F32))
@@ -404,6 +542,41 @@ class _Gen:
                 old = b.load(slot, typ=F32)
                 lane = b.extract_element(v, ir.Constant(I32, 0))
                 b.store(_combine(b, r.op, old, lane), slot)
+
+
+# Whole-vector non-temporal stores: irx.with_streaming's stores are 16-byte pieces (numpy only
+# promises 16-byte alignment), four stores and three extracts per 64-byte vector; where every
+# block output is 64-byte aligned with a pitch of whole 64-byte lines (ops.norms allocates its
+# large outputs so, torch aligns to 64) one store per vector does it: 4096 x 1024 f32 softmax,
+# whose output pass is otherwise that store, 1.5 -> 1.3 ms.
+WHOLE_BYTES = 64
+
+
+def _whole_or_pieces(b, blocks, streaming, body):
+    """body("whole") behind a run-time check that every output is WHOLE_BYTES-aligned (when
+    streaming and every pitch allows it), else body(streaming)."""
+    if not streaming or any(pitch % WHOLE_BYTES for _, _, pitch in blocks):
+        body(streaming)
+        return
+    aligned = ir.Constant(ir.IntType(1), 1)
+    for ptr, _, _ in blocks:
+        low = b.and_(b.ptrtoint(ptr, irx.I64), i64(WHOLE_BYTES - 1))
+        aligned = b.and_(aligned, b.icmp_unsigned("==", low, i64(0)))
+    with b.if_else(aligned) as (then, otherwise):
+        with then:
+            body("whole")
+        with otherwise:
+            body(streaming)
+
+
+def _store_whole_nt(b, value, base, offset, dtype):
+    """One non-temporal store of a whole vector of dtype's storage type (aligned to its size:
+    64 bytes of f32, 32 of bf16, by _whole_or_pieces' check; LLVM 22 still writes the bf16
+    one as two 16-byte stores)."""
+    ptr = irx.element_ptr(b, base, offset, irx.storage_type(dtype))
+    size = value.type.count * dtype.itemsize
+    flag = b.module.add_metadata([ir.Constant(I32, 1)])
+    b.store(value, ptr, align=size).set_metadata("nontemporal", flag)
 
 
 def generate(spec, target, symbol: str) -> ir.Module:

@@ -22,6 +22,18 @@ extra["copy_gbps"] (the copy measured in this run, at the same size) and
 extra["copy_fraction"] (its GB/s over that copy's); tpp records get ratios vs torch from the
 report (fill_ratios). Both providers allocate their outputs in every call, as a model does.
 tpp's results are checked against torch's once per case (extra["verified"]).
+
+Allocation: glibc's malloc is pinned for the whole run by the CLI (bench.timing.steady_malloc:
+M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB), so that the pages of a freed 16 MB output stay in the process and
+neither provider page-faults its outputs in the steady state. Left to glibc's dynamic
+thresholds, whether a provider's outputs fault on every call is a matter of heap layout: after
+the first free of an mmapped 16 MB chunk the trim threshold becomes 2 x 16 MB, and when a
+call's freed outputs leave that much free at the top of the heap, glibc gives it back (brk)
+and the next call faults 16 MB of fresh 4 KiB pages in again (~4096 faults, 2-3 ms of system
+time per 16 MB here). Which provider that hits changes with the order of allocations: torch's
+LayerNorm forward swung from 3.7 to 27 GB/s between runs (its fwd+bwd: 1600-6500 faults per
+call in one process, none in another), ours (numpy arrays elsewhere in the heap) faulted none.
+Every record carries extra["malloc"] ("steady", or "glibc default" where mallopt is missing).
 """
 from __future__ import annotations
 
@@ -30,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import register
-from ..timing import looped
+from ..timing import looped, steady_malloc
 from ._common import bandwidth_record, empty, filled, quick_sizes, team, timed_group
 
 SUITE = "norm"
@@ -72,6 +84,8 @@ def run(ctx):
     mode = "tiny" if ctx.config.tiny else ("quick" if quick_sizes(ctx) else "full")
     rng = np.random.default_rng(5)
     copies = {}
+    global _MALLOC
+    _MALLOC = steady_malloc()     # the CLI pinned it already (idempotent)
     with team(ctx, 1):
         for case in cases(mode):
             shape = (case.rows, case.n)
@@ -81,6 +95,9 @@ def run(ctx):
         if ctx.wants("tpp"):
             for name in FUSED:
                 _run_fused(ctx, name, SIZES[mode][0], rng)
+
+
+_MALLOC = "glibc default"
 
 
 def _copy(ctx, shape, rng):
@@ -96,7 +113,7 @@ def _copy(ctx, shape, rng):
     if stats is None:
         return None
     rec = bandwidth_record(ctx, suite=SUITE, case="copy", provider="numpy", shape=shape,
-                           stats=stats, nbytes=nbytes, threads=1)
+                           stats=stats, nbytes=nbytes, threads=1, malloc=_MALLOC)
     return rec.median
 
 
@@ -181,7 +198,7 @@ def _run_case(ctx, case: Case, rng, copy_gbps):
     if "tpp" in steps and "torch" in steps and ctx.config.verify:
         verified = _verify(ctx, label, steps["tpp"](), steps["torch"]())
     for provider, stats in results.items():
-        extra = {"threads": 1}
+        extra = {"threads": 1, "malloc": _MALLOC}
         if copy_gbps:
             extra["copy_gbps"] = copy_gbps
             extra["copy_fraction"] = case.nbytes / stats.median / 1e9 / copy_gbps
