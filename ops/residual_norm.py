@@ -41,6 +41,7 @@ from tpp.core.errors import ArgumentError
 from tpp.core.spec import mask_bytes
 
 from . import _host
+from . import norm_graphs as _graphs
 from . import norms as _n
 
 __all__ = ["residual_layer_norm", "residual_layer_norm_backward", "bias_dropout_residual"]
@@ -107,9 +108,10 @@ def _forward_plain(rows, n, dt, wdt, has_bias, p):
 
 
 def _backward(rows, n, dt, wdt, has_bias, has_w, has_b, p, has_dh, need):
-    """need = (dx, dbias, dres, dweight, dln_bias). Equation 1 (row-wise): dres and, with
-    dropout, dx; equation 2 (axis-0 sums): dweight, dln_bias and dbias (the column sum of dx,
-    read back from equation 1's output)."""
+    """need = (dx, dbias, dres, dweight, dln_bias). One equation: dres (and, with dropout,
+    dx) row by row (tpp_cpu's rowwise schedule: each row in L1 across its two passes), the
+    column sums dweight, dln_bias and dbias (the column sum of dx) folded into that pass.
+    dres is written whenever dres or dx is wanted (dx is dres when p == 0)."""
     scratch = tpp.equation(rows, n)
     g = _graph(scratch, dt, wdt, has_bias, has_w, has_b, p, True)
     dy = X.input("dy")
@@ -119,50 +121,36 @@ def _backward(rows, n, dt, wdt, has_bias, has_w, has_b, p, has_dh, need):
         cots.append(X.input("dh"))
     wrt_names = [nm for nm in ("residual", "x", "weight", "ln_bias") if g[nm] is not None]
     grads = _n._grad(outputs, [g[nm] for nm in wrt_names], cots)
+    grads = _graphs._zero_sums(grads, [g["h"] - g["mu"]])      # sum(h - mean(h)) = 0
     mean, rstd = X.input("mean", "col"), X.input("rstd", "col")
     grads = _n._lean(_n._saved(grads, {g["mu"]: mean, g["rstd"]: rstd, g["s"]: 1.0 / rstd,
                                        g["h"]: X.input("h")}))
     named = dict(zip(wrt_names, grads))
     want_dx, want_dbias, want_dres, want_dw, want_db = need
-    specs = []
-
-    def declare(*names):
-        eq = tpp.equation(rows, n)
-        for name in names:
-            if name in ("dy", "h", "dh", "dres"):
-                eq.input(name, dtype=dt)
-            elif name == "weight":
-                eq.input(name, dtype=wdt, bcast="row")
-            elif name == "keep":
-                eq.mask(name)
-            else:
-                eq.input(name, bcast="col")
-        return eq
-
-    # dres feeds dx and dbias: it is written whenever any of them is wanted
-    first = ["dy", "h", "mean", "rstd"] + (["dh"] if has_dh else []) + \
-        (["weight"] if has_w else []) + (["keep"] if p > 0 else [])
-    outs = {}
-    if want_dres or want_dx or want_dbias:
+    outs, dtypes = {}, {}
+    if want_dres or want_dx:
         outs["dres"] = named["residual"]
-    if p > 0 and (want_dx or want_dbias):
+    if p > 0 and want_dx:
         outs["dx"] = named["x"]
-    if outs:
-        eq = declare(*first)
-        specs.append(eq.spec(dtypes={k: dt for k in outs}, **outs))
-    params = {}
+    dtypes = {k: dt for k in outs}
     if has_w and want_dw:
-        params["dweight"] = named["weight"]
+        outs["dweight"] = named["weight"]
     if has_b and want_db:
-        params["dln_bias"] = named["ln_bias"]
-    if params or (has_bias and want_dbias):
-        eq = declare("dy", "h", "mean", "rstd")
-        if has_bias and want_dbias:
-            # dbias = sum over rows of dx (dx is dres when p == 0)
-            src = eq.input("dx" if p > 0 else "dres", dtype=dt)
-            params["dbias"] = eq.sum(src, 0)
-        specs.append(eq.spec(**params))
-    return tuple(specs)
+        outs["ln_bias_grad"] = named["ln_bias"]
+    if has_bias and want_dbias:
+        outs["dbias"] = X.reduce("rsum", named["x"] if p > 0 else named["residual"], 0)
+    eq = tpp.equation(rows, n)
+    for name in ["dy", "h"] + (["dh"] if has_dh else []):
+        eq.input(name, dtype=dt)
+    eq.input("mean", bcast="col")
+    eq.input("rstd", bcast="col")
+    if has_w:
+        eq.input("weight", dtype=wdt, bcast="row")
+    if p > 0:
+        eq.mask("keep")
+    if "ln_bias_grad" in outs:
+        outs["dln_bias"] = outs.pop("ln_bias_grad")
+    return (eq.spec(dtypes=dtypes or None, **outs),)
 
 
 _KINDS = {"rln_fwd": _forward, "rln_bwd": _backward, "bdr_fwd": _forward_plain}
