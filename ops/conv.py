@@ -40,13 +40,18 @@ accumulates the taps in an f32 tile and rounds it once (an identity TPP).
 Backward data: the transposed convolution, as the same forward nest on dy scattered into a
 zeroed frame (stride-1 positions spaced by the stride, a border of dilation*(R-1)), with the
 weights flipped and transposed (packed by a nest); the result is the gradient of the padded
-input, cropped by the conversion back to NCHW. (Strided layers thus do stride**2 more
-multiply-adds than needed: correct, not yet tuned.)
+input, cropped by the conversion back to NCHW (device data). Host data instead runs
+stride**2 stride-1 sub-convolutions, one per phase of the input pixels, for the unpadded
+pixels only (ops.conv_strided: the zero-spread form does stride**2 times the multiply-adds,
+and at stride 1 computes the padding too: 512 @7, 81 pixels for 49).
 Backward weight: per (output block, input block, tap) a BRGEMM dy^T @ x over the output
 pixels of one row (trans_a), batch-reduced over the output rows, summed over the batch.
-Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images.
+Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images (host data: a row
+sum of dy as it is). At most 4 input channels per group (the stem, depthwise; host data):
+the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps).
 
-1x1 layers (stride 1, no padding, groups 1, f32, host data) skip all of the above (the
+1x1 layers (no padding, groups 1, f32, host data; strided ones on their selected pixels,
+ops.conv_subsample) skip all of the above (the
 forward given packed= only for images of at least 90% whole 16-pixel vectors, see
 conv_pointwise.eligible; else the packed weight is used): per
 image they are GEMMs on the NCHW arrays as they are (ops.conv_pointwise; no conversion, no
@@ -73,6 +78,8 @@ from tpp.runtime.lru import LRU, also_clear
 
 from . import _host
 from . import conv_pointwise as _pointwise
+from . import conv_strided as _strided
+from . import conv_taps as _taps
 from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weight, ...)
     BLOCK, PIXELS, _SERIAL_FLOPS, Geometry, block, _pair, _padding, geometry,
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
@@ -291,8 +298,8 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
 
 
 def _pointwise_layer(geo, *arrays_, forward=False) -> bool:
-    """Whether ops.conv_pointwise serves this layer's forward (or backward): a 1x1,
-    stride-1, unpadded, ungrouped f32 layer on host data (numpy / CPU torch; device data
+    """Whether ops.conv_pointwise serves this layer's forward (or backward): a 1x1 (any
+    stride), unpadded, ungrouped f32 layer on host data (numpy / CPU torch; device data
     takes the blocked path); see conv_pointwise.eligible."""
     return _pointwise.eligible(geo, forward) and all(_on_host(a) for a in arrays_)
 
@@ -350,12 +357,18 @@ def _forward(xb, wb, bias, geo, activation, like, out=None, frame=None):
     if geo.dtype == _dt.BF16:
         args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
     fr = tuple(frame or (0, 0, 0, 0))
-    nest, args = _run_conv(
-        args, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0], geo.stride[1], p, q, fr,
-        lambda hp, wp, p_, q_: _conv_nest(
-            geo.groups, cb, kb, bc, bk, hp, wp, geo.r, geo.s, geo.stride[0], geo.stride[1],
-            geo.dilation[0], geo.dilation[1], p_, q_, geo.dtype, bias is not None, activation,
-            fr))
+    if _taps.eligible(cb, bc, geo.s, geo.dilation[1]) and _on_host(like):   # the stem
+        args[0] = _taps.expand(xb, bc, geo.hp, geo.wp, geo.s, geo.stride[1], q, geo.dtype)
+        nest = _taps.conv_nest(geo.groups, kb, bc, bk, geo.hp, geo.r, geo.s, geo.stride[0],
+                               geo.dilation[0], p, q, geo.dtype, bias is not None,
+                               activation, fr)
+    else:
+        nest, args = _run_conv(
+            args, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0], geo.stride[1], p, q, fr,
+            lambda hp, wp, p_, q_: _conv_nest(
+                geo.groups, cb, kb, bc, bk, hp, wp, geo.r, geo.s, geo.stride[0],
+                geo.stride[1], geo.dilation[0], geo.dilation[1], p_, q_, geo.dtype,
+                bias is not None, activation, fr))
     nest(*args, threads=_threads(geo.flops(n)))
     if frame is not None:
         return y
@@ -395,6 +408,14 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     # dy in the output layout (its blocks are the data gradient's input blocks)
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
                     (0, 0, 0, 0), geo.dilation, dt)
+    if need_dx and _on_host(x):
+        # phase decomposition: stride**2 stride-1 sub-convolutions (ops.conv_strided)
+        if _strided.small(geo):     # few channels (the stem): pixels as the GEMM columns
+            dx = _strided.data_grad_small(dy, weight, geo, x)
+        else:
+            wbt = packed or pack_weight(weight, geo.groups, dt, transposed=True)
+            dx = _strided.data_grad(dy, wbt.data, geo, x)
+        need_dx = False
     if need_dx:
         # the gradient of the padded input: dy scattered (stride), framed by dil*(R-1)
         eh, ew = geo.dilation[0] * (geo.r - 1), geo.dilation[1] * (geo.s - 1)
@@ -408,14 +429,19 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         dx = _host.empty(tuple(x.shape), dt, x)
         from_blocked(dxp, geo.c, geo.groups, geo.bc, geo.h, geo.w, dx,
                      origin=(geo.pad[0], geo.pad[2]))
-    if need_dw or need_db:
+    host = _on_host(x)
+    taps = host and _taps.serves(geo)   # few input channels (the stem): ops.conv_taps
+    if need_dw or (need_db and not host):
         dyb0 = to_blocked(dy, dgeo).data
     if need_dw:
         xb = to_blocked(x, geo).data if xb is None else xb.data
         bc, bk = geo.bc, geo.bk
         cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
-        dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
-        if n:
+        if n and taps:
+            dwt = _taps.weight_grad(xb, dyb0, geo, x)
+        else:
+            dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
+        if n and not taps:
             _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0],
                      geo.stride[1], geo.dilation[0], geo.dilation[1], geo.p, geo.q,
                      dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
@@ -423,7 +449,13 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
             *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +
               ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])), threads=1)
-    if need_db:
+    if need_db and host:    # a row sum of dy as it is (NCHW), no blocked copy
+        db = _pointwise.bias_grad(dy, Geometry(1, geo.k, geo.p, geo.q, 1, 1, 1, (1, 1),
+                                               (0, 0, 0, 0), (1, 1), dt))
+        if dt != _dt.F32:
+            db, dbf = _host.empty((geo.k,), dt, x), db
+            _vector_nest(1, geo.k, geo.k, _dt.F32, dt, False)(dbf, db, threads=1)
+    elif need_db:
         bk = geo.bk
         kbt = geo.groups * -(-geo.kg // bk)
         dbp = _host.zeros((kbt * bk,), _dt.F32, x)

@@ -11,7 +11,7 @@ for the weight gradient, and the weight; the backward computes only the gradient
 asks for: data, weight, bias). Conv2d packs its weight once (forward and, at the first
 backward, the data gradient's layout) and repacks when the weight's version counter moves
 (an in-place update such as an optimizer step) or the parameter is replaced. 1x1 layers that
-ops.conv runs as GEMMs on NCHW (stride 1, no padding, groups 1, f32: ops.conv_pointwise) read
+ops.conv runs as GEMMs on NCHW (no padding, groups 1, f32: ops.conv_pointwise) read
 the weight as it is: nothing is packed or kept for them.
 
 CUDA tensors run the same nests on their GPU (ops.conv's device path: the results on the

@@ -135,9 +135,31 @@ def test_packed_and_xb_still_accepted():
         ops.conv2d_backward(dy, x, w, xb=conv.blocked(x, padding=1))
 
 
-@pytest.mark.parametrize("kw", [dict(stride=2), dict(padding=1), dict(groups=3)])
+@pytest.mark.parametrize("case, stride", [
+    ((2, 70, 130, 9, 7, True), 2),         # odd image, channels past one block
+    ((1, 5, 7, 8, 8, False), (3, 2)),
+    ((1, 130, 20, 11, 10, True), 3),       # K < C: dw computed transposed
+], ids=str)
+def test_strided_on_selected_pixels(case, stride, no_blocked):
+    """Strided 1x1 layers (downsampling projections) run as GEMMs on x[:, :, ::sh, ::sw]
+    (ops.conv_subsample), dx scattered back into zeros."""
+    x, wt, b, _ = _data(case)
+    leaves = [t for t in (x, wt, b) if t is not None]
+    ref_in = [t.clone().requires_grad_() for t in leaves]
+    my_in = [t.clone().requires_grad_() for t in leaves]
+    ref = F.conv2d(*ref_in, stride=stride)
+    assert conv.serves_pointwise(x, wt, stride, forward=False)
+    y = tc.conv2d(*my_in, stride=stride)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    for mine, theirs in zip(torch.autograd.grad(y, my_in, dy),
+                            torch.autograd.grad(ref, ref_in, dy)):
+        torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(padding=1), dict(groups=3), dict(stride=2, padding=1)])
 def test_other_1x1_layers_take_the_blocked_path(kw):
-    """Strided, padded, grouped (and bf16) 1x1 layers stay on the blocked nests."""
+    """Padded, grouped (and bf16) 1x1 layers stay on the blocked nests."""
     x, w0, b, _ = _data((2, 6, 9, 7, 7, True), seed=3)
     wt = w0[:, : 6 // kw.get("groups", 1)].contiguous()
     assert not conv.serves_pointwise(x, wt, **kw)

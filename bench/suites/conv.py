@@ -3,10 +3,10 @@ conv2d (oneDNN), on the ResNet-50 layer set, forward and training, f32 and bf16.
 
 Layers (C -> K, H x W input, R x S kernel, stride; ResNet-50 at 224x224): the 7x7 stride-2
 stem, 1x1 (64 -> 256 at 56, 256 -> 64 at 56, 256 -> 1024 at 14, 1024 -> 256 at 14, 512 -> 2048
-at 7), 3x3 stride 1 (64 at 56, 128
-at 28, 256 at 14, 512 at 7) and the 3x3 stride-2 downsampling (128 at 56). Batch 4; --quick
-(and the default set): batch 1 and a 1x1, a 3x3 and a stride-2 3x3 layer; --tiny: small
-channels and images (numbers meaningless). All cores (or --threads N, N > 1).
+at 7), 3x3 stride 1 (64 at 56, 128 at 28, 256 at 14, 512 at 7), the 3x3 stride-2
+downsampling (128 at 56) and the 1x1 stride-2 projection shortcut (256 -> 512 at 56).
+Batch 4; --quick (and the default set): batch 1 and a 1x1, a 3x3 and a stride-2 3x3 layer;
+--tiny: small channels and images (numbers meaningless). All cores (or --threads N, N > 1).
   fwd    inference: ops.torch_conv.Conv2d (its weight packed once, at the first call) vs
          torch.nn.functional.conv2d, no grad; 2*N*K*P*Q*C*R*S flops per call.
   train  forward + both backward passes: torch.autograd.grad of tc.conv2d (the functional
@@ -44,6 +44,7 @@ LAYERS = {
     "3x3 256 @14": (256, 256, 14, 3, 1, 1),
     "3x3 512 @7": (512, 512, 7, 3, 1, 1),
     "3x3/2 128 @56": (128, 128, 56, 3, 2, 1),
+    "1x1/2 256-512 @56": (256, 512, 56, 1, 2, 0),
 }
 QUICK = ("1x1 64-256 @56", "3x3 64 @56", "3x3/2 128 @56")
 TINY = {"1x1 16-32 @8": (16, 32, 8, 1, 1, 0), "3x3/2 16 @9": (16, 16, 9, 3, 2, 1)}

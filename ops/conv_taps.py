@@ -1,0 +1,164 @@
+"""Convolution nests for layers with few input channels (the stem: 3): a kernel row's taps
+folded into the BRGEMM's reduction. ops.conv's forward and weight gradient for layers with
+one input-channel block of at most MAX_BC channels per group, S > 1 and no column dilation,
+on host data.
+
+The general nests run one BRGEMM of depth bc per tap (R*S of them, each loading and storing
+the output tile; the weight gradient's tiles are (bk x bc): 3 columns for the stem). Here the
+blocked activation [N][G][Hp][Wp][bc] is first expanded along its columns (a copy nest of
+identity TPPs, S/sw times x's size):
+    xs [N][G][Hp][Q][S*bc],  xs[n, g, row, q, s*bc + c] = xb[n, g, row, q*sw + s, c]
+so a kernel row r's inputs of output pixel q are one contiguous run of S*bc values, and
+    forward      y (pixels x bk) = sum_r xs_r (pixels x S*bc) @ W_r (S*bc x bk): one BRGEMM per
+                 pixel block, batch-reduced over the R kernel rows (W_r = wb[kb, 0, r] is
+                 contiguous in the packed layout [G*Kb][1][R][S][bc][bk]; bf16: its VNNI pairs
+                 [S*bc/2][2*bk] too), bias and activation in its epilogue;
+    weight grad  dW_r^T (S*bc x K) += xs_{p,r}^T (S*bc x Q, trans_a) @ dy_p (Q x K, blocked),
+                 batch-reduced over the output rows p, summed over the images: per (group,
+                 DW_COLS output channels, r) one f32 tile of dwT (groups, R*S*bc, Kgp), then
+                 transposed into the general nest's dwt layout (groups, Kgp, R*S, bc) that
+                 ops.conv transposes to (K, C/groups, R, S). (The stem, 2 cores: 4.5 ms
+                 against 6.9 ms for dW_r (K x S*bc) = dy_p (NCHW) @ xs_{p,r}, whose 21
+                 columns fill 2 vectors to 66%, and ~30 ms for the general nest.)
+"""
+from __future__ import annotations
+
+import functools
+
+import tpp
+from tpp.core import dtypes as _dt
+from tpp.runtime.lru import also_clear
+
+from . import _host
+from .conv_layout import PIXELS, _size, _threads
+
+DW_COLS = 32       # output channels per weight-gradient tile (2 tiles of a 64-channel block:
+                   # twice the parallel units of R kernel rows; measured as fast as 64)
+MAX_BC = 4         # the widest input-channel block served: the stem (3, bf16 4) and depthwise
+                   # layers (1, bf16 2) gain (3x3 depthwise 128 @56: forward 4.9 -> 3.7 ms,
+                   # dw 8.6 -> 4.4); 16 groups of 8 channels lost ~25% (the expansion, S/sw
+                   # copies of x, outweighs the 8-channel GEMMs' gain), 16 channels broke even
+
+
+def eligible(cb, bc, s, dw) -> bool:
+    """Whether the folded nests serve a layer (cb input-channel blocks of bc per group, S
+    kernel columns, column dilation dw)."""
+    return cb == 1 and bc <= MAX_BC and s > 1 and dw == 1
+
+
+def serves(geo) -> bool:
+    """eligible() for a layer's Geometry."""
+    return eligible(-(-geo.cg // geo.bc), geo.bc, geo.s, geo.dilation[1])
+
+
+@functools.lru_cache(maxsize=256)
+def expand_nest(groups, bc, hp, wp, s, sw, q, dtype):
+    """xs (N, groups, hp, q, s*bc) from xb (N, groups, hp, wp, bc) (see the docstring)."""
+    n = tpp.size("N")
+    nest = tpp.LoopNest("ABC", a=n, b=groups, c=hp)
+    a, g, c = nest.vars
+    xb = nest.tensor("xb", (n, groups, hp, wp, bc), dtype)
+    xs = nest.tensor("xs", (n, groups, hp, q, s * bc), dtype)
+    spec = tpp.make_unary("identity", q, bc, ldi=sw * bc, ldo=s * bc, dtype_in=dtype)
+    for j in range(s):
+        nest.call(spec, xb[a, g, c, j], xs[a, g, c, 0, j * bc])
+    return nest.compile()
+
+
+def expand(xb, bc, hp, wp, s, sw, q, dtype):
+    """xs for the blocked activation data xb (host)."""
+    n, groups = xb.shape[0], xb.shape[1]
+    xs = _host.empty((n, groups, hp, q, s * bc), dtype, xb)
+    if n:
+        expand_nest(groups, bc, hp, wp, s, sw, q, dtype)(xb, xs, threads=_threads(
+            64 * _size(xs)))
+    return xs
+
+
+@functools.lru_cache(maxsize=256)
+def conv_nest(groups, kb, bc, bk, hp, r, s, sh, dh, p, q, dtype, has_bias, activation,
+              frame=(0, 0, 0, 0)):
+    """yb (N, groups*kb, p, q, bk) (inside a frame, like ops.conv._conv_nest) from xs (N,
+    groups, hp, q, s*bc) and wb (groups*kb, 1, r, s, bc, bk)."""
+    n = tpp.size("N")
+    vnni = dtype == _dt.BF16
+    bq = min(q, PIXELS)
+    full, tail = divmod(q, bq)
+    nest = tpp.LoopNest("ABCDe", a=n, b=groups, c=kb, d=p, e=full + (tail > 0))
+    a, g, k, c, d = nest.vars
+    b = g * kb + k
+    xs = nest.tensor("xs", (n, groups, hp, q, s * bc), dtype)
+    wshape = (groups * kb, 1, r, s) + ((bc // 2, 2 * bk) if vnni else (bc, bk))
+    wb = nest.tensor("wb", wshape, dtype)
+    bias_t = nest.tensor("bias", (groups * kb * bk,), _dt.F32) if has_bias else None
+    ft, fb, fl, fr = frame
+    yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
+    acc = nest.tensor("acc", (n, groups * kb, p, q, bk), _dt.F32) if vnni else yb
+    ah, aw = (0, 0) if vnni else (ft, fl)
+    cases = ([(bq, (d < full,) if tail else ())] if full else []) + \
+        ([(tail, (d == full,))] if tail else [])
+    for pixels, when in cases:
+        spec = tpp.make_brgemm(
+            pixels, bk, s * bc, lda=s * bc, ldb=2 * bk if vnni else bk, ldc=bk,
+            dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32, vnni_b=vnni,
+            bias="row" if has_bias else None, activation=activation)
+        nest.call(spec, xs[a, g, c * sh, d * bq], wb[b, 0, 0, 0],
+                  acc[a, b, ah + c, aw + d * bq], bias=bias_t[b * bk] if has_bias else None,
+                  count=r, stride_a=dh * q * s * bc, stride_b=s * bc * bk, when=when)
+        if vnni:
+            spec = tpp.make_unary("identity", pixels, bk, dtype_in=_dt.F32, dtype_out=dtype)
+            nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=when)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def dw_nest(groups, kb, bk, bc, hp, r, s, sh, dh, p, q, dtype):
+    """dwT (groups, r*s*bc, kb*bk) f32 = sum over n, p of xs_{p,r}^T (s*bc x q) dy_p (q x bk),
+    for xs (N, groups, hp, q, s*bc) and dyb (N, groups*kb, p, q, bk); column tiles of
+    DW_COLS output channels."""
+    n = tpp.size("N")
+    split = bk // DW_COLS if bk % DW_COLS == 0 else 1
+    cols = bk // split
+    nest = tpp.LoopNest("ABCDe", a=groups, b=kb, c=split, d=r, e=n)
+    g, b, c, i, a = nest.vars
+    xs = nest.tensor("xs", (n, groups, hp, q, s * bc), dtype)
+    dyb = nest.tensor("dyb", (n, groups * kb, p, q, bk), dtype)
+    dwt = nest.tensor("dwT", (groups, r * s * bc, kb * bk), _dt.F32)
+    for beta, first in ((0, (a == 0,)), (1, (a > 0,))):
+        spec = tpp.make_brgemm(s * bc, cols, q, lda=s * bc, ldb=bk, ldc=kb * bk,
+                               dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32, beta=beta,
+                               trans_a=True)
+        nest.call(spec, xs[a, g, i * dh, 0, 0], dyb[a, g * kb + b, 0, 0, c * cols],
+                  dwt[g, i * s * bc, b * bk + c * cols], count=p, stride_a=sh * q * s * bc,
+                  stride_b=q * bk, when=first)
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _untranspose_nest(groups, rows, cols):
+    """dwt (groups, cols, rows) f32 = each group's dwT (rows x cols) transposed."""
+    nest = tpp.LoopNest("A", a=groups)
+    g, = nest.vars
+    src = nest.tensor("dwT", (groups, rows, cols), _dt.F32)
+    dst = nest.tensor("dwt", (groups, cols, rows), _dt.F32)
+    nest.call(tpp.make_unary("transpose", rows, cols), src[g], dst[g])
+    return nest.compile()
+
+
+def weight_grad(xb, dyb, geo, like):
+    """dwt (groups, Kgp, R*S, bc) f32 (ops.conv's layout for its final transpose) from the
+    blocked x (framed by the padding) and the blocked dy (N, G*Kb, P, Q, bk), host data."""
+    n, bc, bk = xb.shape[0], geo.bc, geo.bk
+    kb, rs = -(-geo.kg // bk), geo.r * geo.s
+    xs = expand(xb, bc, geo.hp, geo.wp, geo.s, geo.stride[1], geo.q, geo.dtype)
+    dwT = _host.empty((geo.groups, rs * bc, kb * bk), _dt.F32, like)
+    dw_nest(geo.groups, kb, bk, bc, geo.hp, geo.r, geo.s, geo.stride[0], geo.dilation[0],
+            geo.p, geo.q, geo.dtype)(xs, dyb, dwT, threads=_threads(geo.flops(n)))
+    dwt = _host.empty((geo.groups, kb * bk, rs, bc), _dt.F32, like)
+    _untranspose_nest(geo.groups, rs * bc, kb * bk)(
+        dwT, _host.reshape(dwt, (geo.groups, kb * bk, rs * bc)), threads=1)
+    return dwt
+
+
+for _cache in (expand_nest, conv_nest, dw_nest, _untranspose_nest):
+    also_clear(_cache.cache_clear)
