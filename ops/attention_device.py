@@ -158,10 +158,8 @@ def device_forward(pr):
     arrays = {"cm": _dconstant(pr, ("cm", sk % BK), F._key_tail_mask(sk)),
               "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
               "ones": _dconstant(pr, "ones", F._ones()),
-              "qT": _dnew(pr, (hc, d, BQ), dt), "st": _dnew(pr, (hc, BK, BQ), _dt.F32),
-              "acc": _dnew(pr, (hc, BQ, d), _dt.F32)}
-    for name in ("m", "l", "alpha", "sf", "cx"):
-        arrays[name] = _dnew(pr, (hc, BQ), _dt.F32)
+              "qT": _dnew(pr, (hc, d, BQ), dt),
+              "work": _dnew(pr, (hc, K.work_size(d)), _dt.F32)}
     if K.vnni(pr.options()):
         arrays.update(qV=_dnew(pr, (hc, (d + 1) // 2, 2 * BQ), dt),
                       pb=_dnew(pr, (hc, BK, BQ), dt), vV=_dnew(pr, (hc, BK // 2, 2 * d), dt))

@@ -99,64 +99,15 @@ def vnni(o: Options) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def step_spec(o: Options, first: bool, diag: bool, tail: bool):
-    """The online-softmax step on the S^T block of (i, j), in place: P^T over s; m (the
-    running column maxima) updated in place; alpha = exp(m_old - m_new); l (the running sums
-    of the undropped probabilities) updated in place. Without dropout the step writes
-    l = alpha * l_old and the caller's ones-row BRGEMM adds the column sums of P^T (no second
-    exp pass); with dropout P^T is written dropped and the sums are taken here. `first`:
-    the first key block of a query block (no m_old / l_old, no alpha)."""
-    eq = tpp.equation(BK, BQ)
-    z = _scores(eq, o, diag=diag, tail=tail)
-    cmax = eq.max(z, 0)
-    outs = {}
-    if first:
-        m_new = cmax
-    else:
-        m_old = eq.input("m", bcast="row")
-        l_old = eq.input("l", bcast="row")
-        m_new = eq.maximum(m_old, cmax)
-    safe = _finite_or_zero(m_new)
-    p = _exp_nonpos(z - safe)           # z <= cmax <= m_new; where m_new = -inf, z = -inf
-    outs["p"] = _dropped(eq, o, p)
-    if vnni(o) and not o.dropout:       # f32 P^T too: l sums the unrounded probabilities
-        outs["pf"] = p
-    outs["m_out"] = m_new
-    if not first:
-        alpha = _exp_nonpos(m_old - safe)   # m_new = max(m_old, cmax) >= m_old
-        outs["alpha"] = alpha
-        scaled = alpha * l_old
-    if o.dropout:
-        outs["l_out"] = eq.sum(p, 0) if first else scaled + eq.sum(p, 0)
-    elif not first:
-        outs["l_out"] = scaled
-    return eq.spec(**outs, dtypes={"p": o.dtype})
-
-
-@functools.lru_cache(maxsize=256)
-def stats_spec(o: Options, first: bool, diag: bool, tail: bool):
-    """The statistics half of the step without dropout (one pass down the columns): m (the
-    running column maxima) updated in place, alpha = exp(m_old - m_new), l = alpha * l_old
-    and `safe`, m_new where finite and 0 where -inf, the shift probs_spec subtracts. Split
-    from the exponentials so that the per-column values are computed once per column rather
-    than once per element."""
-    eq = tpp.equation(BK, BQ)
-    cmax = eq.max(_scores(eq, o, diag=diag, tail=tail), 0)
-    if first:
-        m_new = cmax
-        return eq.spec(m_out=m_new, safe=_finite_or_zero(m_new))
-    m_old = eq.input("m", bcast="row")
-    m_new = eq.maximum(m_old, cmax)
-    safe = _finite_or_zero(m_new)
-    alpha = _exp_nonpos(m_old - safe)                   # m_new >= m_old
-    return eq.spec(m_out=m_new, safe=safe, alpha=alpha, l_out=alpha * eq.input("l", bcast="row"))
-
-
-@functools.lru_cache(maxsize=256)
 def stats_row_spec(first: bool):
-    """stats_spec on an unmasked block from the column extreme of its raw scores (c: max of s,
-    or min with a negative scale; scale * c is the largest z exactly, rounding being
-    monotonic), as a (1 x BQ) equation: the block's pass is the reduce TPP's."""
+    """The statistics of the online-softmax step of block (i, j), as a (1 x BQ) equation on
+    the column extremes c of its scores (the block's pass is the reduce TPP's): m (the running
+    column maxima) updated in place, alpha = exp(m_old - m_new), l = alpha * l_old (the
+    caller's ones-row BRGEMM then adds the column sums of P^T) and `safe`, m_new where finite
+    and 0 where -inf, the shift the exponentials subtract. c: on an unmasked block the max of
+    the raw s (or min with a negative scale; scale * c is the largest z exactly, rounding
+    being monotonic); on the others the max of z (scores_spec's, in place of s), scale 1.
+    `first`: the first key block of a query block (no m_old / l_old, no alpha)."""
     eq = tpp.equation(1, BQ)
     cmax = eq.input("c") * eq.param("scale")
     if first:
@@ -171,8 +122,8 @@ def stats_row_spec(first: bool):
 @functools.lru_cache(maxsize=256)
 def probs_spec(o: Options, diag: bool, tail: bool):
     """P^T = exp(z - safe) over the S^T block (in place; with the bf16 path also rounded to
-    bf16 into pb), safe from stats_spec or stats_row_spec: the same z (the same nodes on the
-    same inputs) or s * scale <= c * scale (the column extreme c), so z - safe <= 0."""
+    bf16 into pb), safe from stats_row_spec: s * scale <= c * scale (the column extreme c),
+    so z - safe <= 0. For unmasked blocks (the others: scores_spec, then exp_spec)."""
     eq = tpp.equation(BK, BQ)
     p = _exp_nonpos(_minus(_scores(eq, o, diag=diag, tail=tail), eq.input("sf", bcast="row")))
     if vnni(o):
@@ -207,13 +158,14 @@ def scale_rows_spec(d: int, dtype):
     return eq.spec(out=eq.input("acc") * eq.input("inv", bcast="col"), dtypes={"out": dtype})
 
 
-# ---------------------------------------------------------------- the device variant
-# A device backend (tpp_cuda) builds equations that reduce along axis 1 only, so the device
-# forward (Options.cuda) splits the step of a masked, causal-diagonal, tail or dropout block:
-# z in place of s (scores_spec), its column maxima by the reduce_max TPP, stats_row_spec on
-# them (scale 1), p = exp(z - safe) (exp_spec), the column sums by the ones-row BRGEMM, and
-# with dropout the keep bits applied to P^T last (drop_spec: the same seed and element index,
-# so the same bits as step_spec's).
+# ---------------------------------------------------------------- the split step
+# The step of a masked, causal-diagonal, tail or dropout block is split into passes that no
+# equation reduces over rows in (a device backend, tpp_cuda, builds equations that reduce
+# along axis 1 only; on the host the split passes are also faster than one equation with a
+# column reduction): z in place of s (scores_spec), its column maxima by the reduce_max TPP,
+# stats_row_spec on them (scale 1), p = exp(z - safe) (exp_spec), the column sums by the
+# ones-row BRGEMM, and with dropout the keep bits applied to P^T last (drop_spec: the same
+# seed and element index as backward_step_spec's, so the same bits).
 @functools.lru_cache(maxsize=256)
 def scores_spec(o: Options, diag: bool, tail: bool):
     """z = s * scale + masks (-inf for keys past the end or above the causal diagonal) over
@@ -236,8 +188,8 @@ def exp_spec(o: Options):
 
 @functools.lru_cache(maxsize=256)
 def drop_spec(o: Options):
-    """P^T with dropout's keep bits (step_spec's: a function of the block's seed and the
-    element's index in it), in the nest's dtype."""
+    """P^T with dropout's keep bits (backward_step_spec's: a function of the block's seed and
+    the element's index in it), in the nest's dtype."""
     eq = tpp.equation(BK, BQ)
     return eq.spec(p=_dropped(eq, o, eq.input("pf")), dtypes={"p": o.dtype})
 
@@ -289,7 +241,7 @@ def delta_spec(d: int, dtype):
     return eq.spec(delta=eq.sum(eq.input("dout", dtype=dtype) * eq.input("o", dtype=dtype), 1))
 
 
-for _cache in (step_spec, stats_spec, stats_row_spec, probs_spec, rescale_spec,
+for _cache in (stats_row_spec, probs_spec, rescale_spec,
                finish_row_spec, scale_rows_spec, backward_step_spec, delta_spec, scores_spec,
                exp_spec, drop_spec):
     also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too

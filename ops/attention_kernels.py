@@ -37,7 +37,7 @@ from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
 from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
-    BQ, BK, SEED_BLOCK_BITS, Options, vnni, step_spec, stats_spec, stats_row_spec,
+    BQ, BK, SEED_BLOCK_BITS, Options, vnni, stats_row_spec,
     probs_spec, rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
     delta_spec, scores_spec, exp_spec, drop_spec
 )
@@ -76,15 +76,16 @@ class Forward(_Nest):
       km (mheads, NK * 64) or mk (mheads, NK, 64, 64)         masks (keymask / mask2d)
       scale (1,), ones (64,)
       scratch (one block per head: loop a is parallel, the query blocks i and key blocks j
-               run in order inside it): qT (hc, d, 64) dtype, st (hc, 64, 64),
-               acc (hc, 64, d), m, l, alpha, sf, cx (hc, 64); bf16 also qV (hc, d/2, 128),
+               run in order inside it): qT (hc, d, 64) dtype, work (hc, work_size(d)):
+               st (64, 64), acc (64, d), m, l, alpha, sf, cx (64,); bf16 also qV (hc, d/2, 128),
                pb (hc, 64, 64), vV (hc, 32, 2d) (VNNI-packed Q_i^T, bf16 P^T, packed V_j)
     In the per-query-block variant (mask2d) the query block is the size I.
-    The step without dropout is three calls: the column extreme of s (reduce TPP) and a
-    (1 x 64) statistics equation on unmasked blocks (stats_spec on masked ones), then
-    probs_spec's exponentials: column values once per column, not per element. The device
-    variant (Options.cuda) runs the other steps (masks, the causal diagonal, the key tail,
-    dropout) without equations that reduce over rows: see _device_step."""
+    The step of an unmasked block is three calls: the column extreme of s (reduce TPP), a
+    (1 x 64) statistics equation (column values once per column, not per element), then
+    probs_spec's exponentials. The other steps (masks, the causal diagonal, the key tail,
+    dropout) are split likewise, with z = scale * s + masks written in place first (see
+    _split_step): no equation reduces over rows, which the device variant (Options.cuda)
+    needs and which on the host is faster than one equation with a column reduction."""
 
     def __init__(self, o: Options):
         self.o = o
@@ -125,10 +126,7 @@ class Forward(_Nest):
         tensor("scale", (1,))
         tensor("ones", (BK,))
         tensor("qT", (hc, d, BQ), dt)
-        tensor("st", (hc, BK, BQ))
-        tensor("acc", (hc, BQ, d))
-        for name in ("m", "l", "alpha", "sf", "cx"):
-            tensor(name, (hc, BQ))
+        tensor("work", (hc, work_size(d)))    # st, acc, m, l, alpha, sf, cx (see work_size)
         if bf:
             tensor("qV", (hc, (d + 1) // 2, 2 * BQ), dt)    # Q_i^T in VNNI pairs
             tensor("pb", (hc, BK, BQ), dt)                  # P^T rounded to bf16
@@ -179,8 +177,9 @@ class Forward(_Nest):
             c = h // group
             mh = h if o.mheads > 1 else 0
             own = (a == h,)
-            qT, st, acc = t["qT"][h], t["st"][h], t["acc"][h]
-            m, l, alpha, sf, cx = (t[x][h, 0] for x in ("m", "l", "alpha", "sf", "cx"))
+            qT, work = t["qT"][h], t["work"]
+            st, acc = work[h, 0], work[h, BK * BQ]
+            m, l, alpha, sf, cx = (work[h, BK * BQ + BQ * d + x * BQ] for x in range(5))
             p_at = t["pb"][h] if bf else st
             for cond, addr in q_cases:       # Q_i^T, once per work item
                 nest.call(transpose, addr(h), qT, when=own + (j == 0,) + cond)
@@ -199,22 +198,14 @@ class Forward(_Nest):
                         if o.mask2d:
                             names["mk"] = t["mk"][mh, j]
                         when = own + visible + kcond + dcond + fcond
-                        if o.cuda and (o.dropout or not plain(diag, tail)):
-                            self._device_step(nest, o, first, diag, tail, names, when,
-                                              ones, sums[first], _seed(h, qi, j))
+                        if o.dropout or not plain(diag, tail):
+                            self._split_step(nest, o, first, diag, tail, names, when,
+                                             ones, sums[first], _seed(h, qi, j))
                             continue
-                        if o.dropout:
-                            specs = (step_spec(o, first, diag, tail),)
-                        elif plain(diag, tail):
-                            nest.call(extreme, st, cx, when=when)
-                            specs = (stats_row_spec(first), probs_spec(o, diag, tail))
-                        else:
-                            specs = (stats_spec(o, first, diag, tail),
-                                     probs_spec(o, diag, tail))
-                        for spec in specs:
-                            args = [names[op.name] for op in spec.operands()]
-                            seed = _seed(h, qi, j) if spec.scalars else None
-                            nest.call(spec, *args, when=when, seed=seed)
+                        nest.call(extreme, st, cx, when=when)
+                        for spec in (stats_row_spec(first), probs_spec(o, diag, tail)):
+                            nest.call(spec, *[names[op.name] for op in spec.operands()],
+                                      when=when)
                 v_b = kaddr(c, "v")
                 if bf:
                     nest.call(pack_v, v_b, t["vV"][h], when=own + visible + kcond)
@@ -236,9 +227,9 @@ class Forward(_Nest):
         self.nest = nest.compile()
 
     @staticmethod
-    def _device_step(nest, o, first, diag, tail, names, when, one, sums, seed):
+    def _split_step(nest, o, first, diag, tail, names, when, one, sums, seed):
         """The step of a masked / diagonal / tail / dropout block without equations that
-        reduce over rows (Options.cuda; see attention_equations.scores_spec): z in place of
+        reduce over rows (see attention_equations' split step): z in place of
         s, its column maxima (reduce TPP), the statistics on them (stats_row_spec, scale 1),
         P^T = exp(z - safe), l += its column sums (ones-row BRGEMM) and, with dropout, the
         keep bits applied to P^T last."""
@@ -255,6 +246,13 @@ class Forward(_Nest):
         if o.dropout:
             nest.call(sums, one, st, names["l"], when=when)
             call(drop_spec(o), names, seed)
+
+
+def work_size(d: int) -> int:
+    """f32 elements of the forward's per-head scratch tensor `work`, one tensor (each tensor
+    of a nest call costs its Python overlap check): S^T (64 x 64), acc (64 x d), then the
+    (64,) rows m, l, alpha, sf, cx."""
+    return BK * BQ + BQ * d + 5 * BQ
 
 
 @functools.lru_cache(maxsize=1)

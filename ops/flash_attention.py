@@ -30,8 +30,10 @@ Contract (torch.nn.functional.scaled_dot_product_attention's semantics):
 Algorithm (FlashAttention; see ops.attention_kernels for the nests). Blocks of 64 query rows
 and 64 keys; the scores of block (i, j) never leave a 64 x 64 f32 scratch block, so memory
 beyond the inputs and outputs is O(S * D) per head. The forward's step for (i, j):
-S^T = K_j Q_i^T (BRGEMM), one online-softmax equation (P^T in place, running max m and sum l
-in place, alpha = exp(m_old - m_new)), acc *= alpha, acc += P V_j (BRGEMM, trans_a), l +=
+S^T = K_j Q_i^T (BRGEMM), the online softmax (masked, diagonal, tail and dropout blocks: the
+scaled and masked z in place first; the column maxima by a reduce TPP, a (1 x 64) equation
+updating the running max m and sum l in place with alpha = exp(m_old - m_new), then P^T in
+place by an exponential equation), acc *= alpha, acc += P V_j (BRGEMM, trans_a), l +=
 column sums of P^T (a ones-row BRGEMM); after the last key block out = acc / l and lse =
 m + log l. Causal: key blocks past the query block are skipped by the guards (no work), the
 diagonal block masks key > query by the element indices. The backward (FlashAttention-2):
@@ -377,13 +379,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
 
     def fresh():
         arrays = dict(qT=np.empty((hc, d, BQ), dt.numpy),
-                      st=np.empty((hc, BK, BQ), np.float32),
-                      acc=np.empty((hc, BQ, d), np.float32),
-                      m=np.empty((hc, BQ), np.float32),
-                      l=np.empty((hc, BQ), np.float32),
-                      alpha=np.empty((hc, BQ), np.float32),
-                      sf=np.empty((hc, BQ), np.float32),
-                      cx=np.empty((hc, BQ), np.float32))
+                      work=np.empty((hc, K.work_size(d)), np.float32))
         if vnni:
             arrays.update(qV=np.empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
                           pb=np.empty((hc, BK, BQ), dt.numpy),
