@@ -34,7 +34,9 @@ Forward nest: parallel over (n, output-channel block, output row p), then blocks
 pixels q; for each tap (r, s) one BRGEMM of (pixels x bc) @ (bc x bk) batch-reduced over the
 input-channel blocks of the group (stride batch: stride_a = Hp*Wp*bc, stride_b = R*S*bc*bk),
 lda = stride*bc (strided pixels are read in place). The first tap writes C (beta 0), the
-others add (beta 1), and the last applies bias and activation in the BRGEMM epilogue. bf16
+others add (beta 1), and the last applies bias and activation in the BRGEMM epilogue (fewer
+input blocks than kernel columns, 3x3 64 and 128: one BRGEMM per block and kernel row whose
+batch is the row's taps, stride_a = dilation*bc; 2-7% faster at one thread). bf16
 accumulates the taps in an f32 tile and rounds it once (an identity TPP).
 
 Backward data: the transposed convolution, as the same forward nest on dy scattered into a
@@ -45,7 +47,8 @@ stride**2 stride-1 sub-convolutions, one per phase of the input pixels, for the 
 pixels only (ops.conv_strided: the zero-spread form does stride**2 times the multiply-adds,
 and at stride 1 computes the padding too: 512 @7, 81 pixels for 49).
 Backward weight: per (output block, input block, tap) a BRGEMM dy^T @ x over the output
-pixels of one row (trans_a), batch-reduced over the output rows, summed over the batch.
+pixels of one row (trans_a), batch-reduced over the output rows, summed over the batch
+(bf16 host data: ops.conv_dw, x^T @ dy with dy in VNNI pairs of pixels, on vdpbf16ps).
 Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images (host data: a row
 sum of dy as it is). At most 4 input channels per group (the stem, depthwise; host data):
 the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps).
@@ -78,6 +81,7 @@ from tpp.runtime.lru import LRU, also_clear
 
 from . import _host
 from . import conv_pointwise as _pointwise
+from . import conv_dw as _dwv
 from . import conv_strided as _strided
 from . import conv_taps as _taps
 from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weight, ...)
@@ -91,7 +95,7 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
 # ------------------------------------------------------------------ the convolution nest
 @functools.lru_cache(maxsize=256)
 def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype,
-               has_bias, activation, frame=(0, 0, 0, 0)):
+               has_bias, activation, frame=(0, 0, 0, 0), fold=True):
     """yb (N, groups*kb, p, q, bk) = act(conv(xb (N, groups*cb, hp, wp, bc), wb) + bias),
     written inside a frame (top, bottom, left, right) of yb that the nest leaves alone."""
     n = tpp.size("N")
@@ -114,20 +118,25 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     ah, aw = (0, 0) if vnni else (ft, fl)
     cases = ([(bq, (d < full,) if tail else ())] if full else []) + \
         ([(tail, (d == full,))] if tail else [])
-    taps = [(i, j) for i in range(r) for j in range(s)]
+    # fewer input blocks than kernel columns: per (input block, kernel row) a BRGEMM whose
+    # batch is the row's taps (A and B strides uniform in j); else per tap, over the blocks
+    fold = fold and 1 < s and cb < s
+    taps = [(u, i, 0) for u in range(cb) for i in range(r)] if fold else \
+        [(0, i, j) for i in range(r) for j in range(s)]
+    batch = (s, dw * bc, bc * bk) if fold else (cb, hp * wp * bc, r * s * bc * bk)
     x_block = g * cb
     for pixels, when in cases:
-        for t, (i, j) in enumerate(taps):
+        for t, (u, i, j) in enumerate(taps):
             last = t == len(taps) - 1
             spec = tpp.make_brgemm(
                 pixels, bk, bc, lda=sw * bc, ldb=2 * bk if vnni else bk, ldc=bk,
                 dtype_a=dtype, dtype_b=dtype, dtype_c=acc_dt, beta=0 if t == 0 else 1,
                 vnni_b=vnni, bias="row" if (has_bias and last) else None,
                 activation=activation if last else None)
-            nest.call(spec, xb[a, x_block, c * sh + i * dh, d * bq * sw + j * dw],
-                      wb[b, 0, i, j], acc[a, b, ah + c, aw + d * bq],
+            nest.call(spec, xb[a, x_block + u, c * sh + i * dh, d * bq * sw + j * dw],
+                      wb[b, u, i, j], acc[a, b, ah + c, aw + d * bq],
                       bias=bias_t[b * bk] if (has_bias and last) else None,
-                      count=cb, stride_a=hp * wp * bc, stride_b=r * s * bc * bk, when=when)
+                      count=batch[0], stride_a=batch[1], stride_b=batch[2], when=when)
         if vnni:
             spec = tpp.make_unary("identity", pixels, bk, dtype_in=acc_dt, dtype_out=dtype)
             nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=when)
@@ -437,14 +446,17 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         xb = to_blocked(x, geo).data if xb is None else xb.data
         bc, bk = geo.bc, geo.bk
         cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
-        if n and taps:
+        if _dwv.serves(geo, host) and not taps:     # bf16: the dot instruction
+            dw = _dwv.weight_grad(xb, dyb0, geo, n, x)
+        elif n and taps:
             dwt = _taps.weight_grad(xb, dyb0, geo, x)
         else:
             dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
-        if n and not taps:
+        if n and not taps and dw is None:
             _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0],
                      geo.stride[1], geo.dilation[0], geo.dilation[1], geo.p, geo.q,
                      dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
+    if need_dw and dw is None:
         dw = _host.empty(tuple(weight.shape), dt, x)
         _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
             *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +

@@ -20,7 +20,10 @@ layout (pack_weight(..., transposed=True): [G*Cb][Kb][R][S][bk][bc], taps flippe
 per block of at most 64 pixels j' of one phase column b, one BRGEMM per tap of the phase
 (pixels x bk) @ (bk x bc), batch-reduced over dy's channel blocks, written to every sw-th
 pixel of dx's row (ldc = sw*bc); the first tap writes (beta 0), the rest add. A phase with no
-tap (stride > kernel extent, e.g. a 1x1 stride-2 layer) is zeroed. bf16 accumulates in an f32
+tap (stride > kernel extent, e.g. a 1x1 stride-2 layer) is zeroed. Where a phase column has
+more taps than dy has channel blocks (3x3 64 and 128 at stride 1), one BRGEMM per (dy block,
+kernel row) takes the row's evenly spaced taps as its batch instead (_fold: 1-5% faster at one
+thread, 3x3 64 @56 bf16 5.6 -> 5.3 ms). bf16 accumulates in an f32
 copy of dx's blocks, rounded once per pixel block. (3x3/2 128 @56, batch 4, 2 cores, f32:
 19.8 ms as the zero-spread transposed convolution, 5.1 ms so.)
 
@@ -76,8 +79,22 @@ def plan(geo: Geometry):
     return rows, cols, _frame(rows, geo.p) + _frame(cols, geo.q)
 
 
+def _fold(ctaps, kb):
+    """(tap step, dy pixel step, taps) when a kernel row's column taps, largest first, are
+    evenly spaced in both and outnumber dy's blocks (one BRGEMM's batch); else None."""
+    if len(ctaps) < 2 or kb >= len(ctaps):
+        return None
+    rev = ctaps[::-1]
+    steps = {(rev[x][0] - rev[x + 1][0], rev[x + 1][1] - rev[x][1]) for x in range(len(rev) - 1)}
+    if len(steps) != 1:
+        return None
+    (tap_step, pixel_step), = steps
+    return tap_step, pixel_step, len(ctaps)
+
+
 @functools.lru_cache(maxsize=256)
-def _dx_nest(groups, kb, cb, bk, bc, r, s, h, w, hd, wd, sh, sw, rows, cols, ft, fl, dtype):
+def _dx_nest(groups, kb, cb, bk, bc, r, s, h, w, hd, wd, sh, sw, rows, cols, ft, fl, dtype,
+             fold_taps=True):
     """dxb (N, groups*cb, h, w, bc) from dyb (N, groups*kb, hd, wd, bk) framed by (ft, fl)
     and wbt (groups*cb, kb, r, s, bk, bc) (taps flipped); rows / cols from plan()."""
     n = tpp.size("N")
@@ -101,7 +118,13 @@ def _dx_nest(groups, kb, cb, bk, bc, r, s, h, w, hd, wd, sh, sw, rows, cols, ft,
                 continue
             full, tail = divmod(wcount, bq)
             cases = ([(bq, (f < full,))] if full else []) + ([(tail, (f == full,))] if tail else [])
-            taps = [(i, oi, j, oj) for i, oi in rtaps for j, oj in ctaps]
+            taps = [(i, oi, j, oj, 0) for i, oi in rtaps for j, oj in ctaps]
+            fold = _fold(ctaps, kb) if fold_taps else None
+            if fold:    # per (block, kernel row) a BRGEMM whose batch is the row's taps
+                j, oj = ctaps[-1]       # the largest tap: dy's first pixel, wbt's first
+                taps = [(i, oi, j, oj, u) for u in range(kb) for i, oi in rtaps]
+            count, stride_a, stride_b = ((fold[2], fold[1] * bk, fold[0] * bk * bc) if fold
+                                         else (kb, hd * wd * bk, r * s * bk * bc))
             for pixels, cond in cases:
                 when = (ph == a, e < hcount) + cond
                 out = (an, blk, a + sh * e, b + sw * f * bq)
@@ -109,15 +132,14 @@ def _dx_nest(groups, kb, cb, bk, bc, r, s, h, w, hd, wd, sh, sw, rows, cols, ft,
                     spec = tpp.make_unary("zero", pixels, bc, ldo=sw * bc, dtype_in=dtype)
                     nest.call(spec, dxb[out], when=when)
                     continue
-                for t, (i, oi, j, oj) in enumerate(taps):
+                for t, (i, oi, j, oj, u) in enumerate(taps):
                     spec = tpp.make_brgemm(
                         pixels, bc, bk, lda=bk, ldb=2 * bc if vnni else bc, ldc=sw * bc,
                         dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32 if vnni else dtype,
                         beta=0 if t == 0 else 1, vnni_b=vnni)
-                    nest.call(spec, dyb[an, g * kb, e + oi + ft, f * bq + oj + fl],
-                              wbt[blk, 0, r - 1 - i, s - 1 - j], acc[out],
-                              count=kb, stride_a=hd * wd * bk, stride_b=r * s * bk * bc,
-                              when=when)
+                    nest.call(spec, dyb[an, g * kb + u, e + oi + ft, f * bq + oj + fl],
+                              wbt[blk, u, r - 1 - i, s - 1 - j], acc[out],
+                              count=count, stride_a=stride_a, stride_b=stride_b, when=when)
                 if vnni:
                     spec = tpp.make_unary("identity", pixels, bc, ldi=sw * bc, ldo=sw * bc,
                                           dtype_in=_dt.F32, dtype_out=dtype)
