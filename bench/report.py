@@ -36,8 +36,12 @@ def suite_table(suite: str, records) -> tuple[str, list, list]:
     """(title, headers, rows of strings) for one suite's records."""
     providers = _ordered_providers(records)
     rows_by_key: dict = {}
+    mixed = len({r.dtype for r in records}) > 1     # a case run in several dtypes: one row each
     for r in records:
-        rows_by_key.setdefault((r.case, tuple(r.shape), r.unit), {})[r.provider] = r
+        case = r.case
+        if mixed and r.dtype and r.dtype not in case.split():
+            case = f"{case} {r.dtype}"
+        rows_by_key.setdefault((case, tuple(r.shape), r.unit), {})[r.provider] = r
     others = [p for p in providers if p != "tpp"]
     has_peak = any(r.peak_fraction is not None for r in records)
     headers = ["case", "shape", "unit"] + providers

@@ -476,3 +476,20 @@ def test_tiny_run_fractions_are_of_the_best_copy(tmp_path, capsys):
         level = r["extra"]["peak_level"]
         assert r["extra"]["peak_gbps"] == max(c["median"] for c in copies
                                               if c["extra"]["peak_level"] == level)
+
+
+def test_a_case_run_in_two_dtypes_gets_a_row_each():
+    """The model suite's cases carry their dtype in the record, not the name: the table shows
+    both (it once kept only the last dtype's row)."""
+    from bench import report
+
+    def rec(dtype, provider, median):
+        return Record(suite="model", case="infer padded", provider=provider, shape=[32, 128],
+                      dtype=dtype, metric="time", unit="ms", median=median, p20=median,
+                      p80=median)
+    recs = [rec("f32", "tpp", 500.0), rec("f32", "torch", 550.0),
+            rec("bf16", "tpp", 276.0), rec("bf16", "torch", 297.0)]
+    _, _, rows = report.suite_table("model", recs)
+    assert [r[0] for r in rows] == ["infer padded f32", "infer padded bf16"]
+    _, _, rows = report.suite_table("model", recs[:2])     # one dtype: the name as it is
+    assert [r[0] for r in rows] == ["infer padded"]
