@@ -67,3 +67,15 @@ def test_real_madvise_is_harmless():
     t.fill_(1.0)
     assert float(t[-1]) == 1.0
     np.testing.assert_equal(t[:8].numpy(), np.ones(8, np.float32))
+
+
+def test_matmul_advises_only_large_torch_outputs(recorded):
+    import ops
+    w = torch.randn(1024, 64)
+    small = ops.matmul(torch.randn(8, 64), w.T)
+    assert small.shape == (8, 1024) and recorded == []
+    rows = _host.ADVISE_BYTES // (4 * 1024) + 1
+    x = torch.randn(rows, 64)
+    big = ops.matmul(x, w.T)
+    assert len(recorded) == 1
+    torch.testing.assert_close(big, x @ w.T, rtol=1e-4, atol=1e-4)
