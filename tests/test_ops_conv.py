@@ -294,3 +294,10 @@ def test_bench_conv_tiny(tmp_path, capsys, monkeypatch):
                 assert "torch" in rec["ratios"]
                 if kind == "fwd":
                     assert rec["extra"]["verified"] is True
+    net = {(r["case"], r["provider"]): r for r in records if r["case"].startswith("net ")}
+    for dtype in ("f32", "bf16"):       # the small network, converted by optimize
+        for kind in ("fwd", "train"):
+            rec = net[f"net {kind} {dtype}", "tpp"]
+            assert rec["unit"] == "ms" and rec["median"] > 0 and rec["extra"]["gflops"] > 0
+            assert "torch" in rec["ratios"] and (f"net {kind} {dtype}", "torch") in net
+        assert net[f"net fwd {dtype}", "tpp"]["extra"]["verified"] is True

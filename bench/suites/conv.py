@@ -18,6 +18,19 @@ layers: ops.conv_pointwise runs them as GEMMs on the NCHW data, nothing converte
 divides by the peak suite's one-core compute peak times the threads. Wall clock. tpp's
 forward is checked against torch's conv2d in f32 on the same values (tolerance: 1e-4 of the
 largest |value| for f32, 2e-2 for bf16).
+
+A small ResNet-style network, converted whole by ops.torch.optimize (its Conv2d and Linear
+modules swapped, the BatchNorm2d, ReLU and pooling left as torch's): the 7x7 stride-2 stem
+(3 -> 64) with BatchNorm and ReLU, a 1x1 projection to 256 channels, two bottleneck blocks
+(1x1 256 -> 64, 3x3 64, 1x1 64 -> 256, each with BatchNorm, the identity added before the last
+ReLU), global average pooling and a Linear to 10 classes; input (N, 3, 112, 112) (the blocks at
+56 x 56, ResNet-50's first stage), N = the layer cases' batch; --tiny: 32 x 32 with 8/32
+channels. Cases (time per call, ms, and the network's GFLOP/s of convolutions and Linear):
+  net fwd    eval mode, no grad
+  net train  train mode: forward, loss = mean of the squared logits, backward (gradients of
+             every parameter), per step
+both against the unconverted network (seeded init, same parameters) in the same interleaved
+rounds; the eval output is checked against torch's as the layers are.
 """
 from __future__ import annotations
 
@@ -28,7 +41,7 @@ import numpy as np
 from . import register
 from ..timing import looped
 from ._common import (all_threads, big_settings, capped_group, compute_record, quick_sizes,
-                      team, torch_gflops)
+                      team, time_record, torch_gflops)
 
 SUITE = "conv"
 # name: (C, K, H(=W), R(=S), stride, padding)
@@ -49,6 +62,7 @@ LAYERS = {
 QUICK = ("1x1 64-256 @56", "3x3 64 @56", "3x3/2 128 @56")
 TINY = {"1x1 16-32 @8": (16, 32, 8, 1, 1, 0), "3x3/2 16 @9": (16, 16, 9, 3, 2, 1)}
 BATCH = {"full": 4, "quick": 1, "tiny": 1}
+NET = {"full": (112, 64, 256), "quick": (112, 64, 256), "tiny": (32, 8, 32)}  # H, stem C, width
 TOLERANCE = {"f32": 1e-4, "bf16": 2e-2}
 
 
@@ -104,6 +118,10 @@ def run(ctx):
                 case = Case(layer, dtype, BATCH[mode], c, k, h, r, stride, padding, train,
                             threads)
                 _run_case(ctx, case, rng)
+    for dtype in ("f32", "bf16"):
+        if ctx.wants_dtype(dtype):
+            for train in (False, True):
+                _run_net(ctx, mode, dtype, train, threads)
 
 
 def _data(torch, case: Case, rng) -> dict:
@@ -192,5 +210,105 @@ def _verify(ctx, label, case: Case, torch, got, d: dict) -> bool | None:
     if err > TOLERANCE[case.dtype]:
         ctx.note(f"{label} tpp: WRONG RESULTS (max error {err:.3g} of the largest |value|, "
                  f"vs torch in f32); its GFLOP/s is not meaningful")
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- a small network
+def _network(torch, mode: str):
+    """The seeded ResNet-style network of the module docstring, in f32, and its conv and
+    Linear FLOPs per image."""
+    nn = torch.nn
+    h, stem, width = NET[mode]
+    mid = width // 4
+
+    class Bottleneck(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(
+                nn.Conv2d(width, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(),
+                nn.Conv2d(mid, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(),
+                nn.Conv2d(mid, width, 1, bias=False), nn.BatchNorm2d(width))
+            self.relu = nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(x + self.body(x))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, stem, 7, stride=2, padding=3, bias=False),
+                        nn.BatchNorm2d(stem), nn.ReLU(), nn.Conv2d(stem, width, 1, bias=False),
+                        Bottleneck(), Bottleneck(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(width, 10))
+    p = h // 2
+    flops = 2 * (p * p * (stem * 3 * 49 + width * stem)
+                 + 2 * p * p * (width * mid + mid * mid * 9 + mid * width) + width * 10)
+    return net, h, flops
+
+
+def _run_net(ctx, mode, dtype, train, threads):
+    import ops.torch
+    torch = ctx.torch
+    case = f"net {'train' if train else 'fwd'} {dtype}"
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    n = BATCH[mode]
+    net, h, flops = _network(torch, mode)
+    net = net.to(tdt).train(train)
+    label = f"conv {case} {n}x3x{h}x{h}"
+    runs, verified = {}, None
+    x = torch.from_numpy(np.random.default_rng(7).standard_normal(
+        (n, 3, h, h), dtype=np.float32)).to(tdt)
+    with team(ctx, threads):
+        if ctx.wants("tpp"):
+            try:
+                fast, summary = ops.torch.optimize(net, report=True)
+                convs = sum(1 for m in net.modules() if isinstance(m, torch.nn.Conv2d))
+                swapped = sum(1 for _, old, _, _ in summary.swapped if old == "torch.nn.Conv2d")
+                if swapped != convs:
+                    raise RuntimeError(f"optimize swapped {swapped} of {convs} Conv2d:\n"
+                                       f"{summary}")
+                if not train and ctx.config.verify:
+                    verified = _verify_net(ctx, label, dtype, torch, fast, net, x)
+                runs["tpp"] = looped(_net_step(torch, fast, x, train))
+            except Exception as exc:  # noqa: BLE001
+                ctx.failed(f"{label} tpp", exc)
+        runs["torch"] = looped(_net_step(torch, net, x, train))
+        results = capped_group(ctx, label, runs, big_settings(ctx), {})
+    for provider, stats in results.items():
+        extra = {"threads": threads, "clock": "wall", "batch": n,
+                 "gflops": n * flops * (3 if train else 1) / stats.median / 1e9,
+                 "pass": "forward + backward" if train else "forward, eval"}
+        if verified is not None and provider == "tpp":
+            extra["verified"] = verified
+        time_record(ctx, suite=SUITE, case=case, provider=provider, shape=(n, 3, h, h),
+                    stats=stats, unit="ms", dtype=dtype, **extra)
+
+
+WARMUP_CALLS = 3   # torch's batch_norm is slow on its first two calls with a new input
+
+
+def _net_step(torch, net, x, train):
+    """The case's step (called WARMUP_CALLS times here: first calls compile or set up)."""
+    if not train:
+        def step():
+            with torch.no_grad():
+                return net(x)
+    else:
+        params = tuple(net.parameters())
+
+        def step():
+            loss = net(x).float().square().mean()
+            return torch.autograd.grad(loss, params)
+    for _ in range(WARMUP_CALLS):
+        step()
+    return step
+
+
+def _verify_net(ctx, label, dtype, torch, fast, net, x) -> bool:
+    with torch.no_grad():
+        got, want = fast(x).double(), net(x).double()
+    err = float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
+    if err > 10 * TOLERANCE[dtype]:
+        ctx.note(f"{label} tpp: WRONG RESULTS (max error {err:.3g} of the largest |value| vs "
+                 f"the unconverted network); its time is not meaningful")
         return False
     return True
