@@ -132,6 +132,19 @@ def probs_spec(o: Options, diag: bool, tail: bool):
 
 
 @functools.lru_cache(maxsize=256)
+def probs_rescale_spec(o: Options, diag: bool, tail: bool):
+    """probs_spec's P^T (f32) and rescale_spec's acc *= alpha in one pass over the two
+    (64 x 64) blocks (head dim 64: acc's shape is the score block's), for an unmasked block
+    after the first: the rescale's loads and stores overlap the exponentials' arithmetic
+    instead of taking a pass of their own. alpha is per query: a row of acc (bcast col), a
+    column of P^T (where sf is bcast row)."""
+    assert o.d == BK and not vnni(o)
+    eq = tpp.equation(BK, BQ)
+    p = _exp_nonpos(_minus(_scores(eq, o, diag=diag, tail=tail), eq.input("sf", bcast="row")))
+    return eq.spec(p=p, acc_out=eq.input("acc") * eq.input("alpha", bcast="col"))
+
+
+@functools.lru_cache(maxsize=256)
 def rescale_spec(d: int):
     """acc (BQ x d) *= alpha (one factor per query row), in place."""
     eq = tpp.equation(BQ, d)
@@ -241,7 +254,7 @@ def delta_spec(d: int, dtype):
     return eq.spec(delta=eq.sum(eq.input("dout", dtype=dtype) * eq.input("o", dtype=dtype), 1))
 
 
-for _cache in (stats_row_spec, probs_spec, rescale_spec,
+for _cache in (stats_row_spec, probs_spec, probs_rescale_spec, rescale_spec,
                finish_row_spec, scale_rows_spec, backward_step_spec, delta_spec, scores_spec,
                exp_spec, drop_spec):
     also_clear(_cache.cache_clear)      # tpp.clear_caches() empties them too

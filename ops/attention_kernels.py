@@ -37,8 +37,8 @@ from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
 from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
-    BQ, BK, SEED_BLOCK_BITS, Options, vnni, stats_row_spec,
-    probs_spec, rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
+    BQ, BK, SEED_BLOCK_BITS, Options, vnni, stats_row_spec, probs_spec, probs_rescale_spec,
+    rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
     delta_spec, scores_spec, exp_spec, drop_spec
 )
 
@@ -82,9 +82,11 @@ class Forward(_Nest):
     In the per-query-block variant (mask2d) the query block is the size I.
     The step of an unmasked block is three calls: the column extreme of s (reduce TPP), a
     (1 x 64) statistics equation (column values once per column, not per element), then
-    probs_spec's exponentials. The other steps (masks, the causal diagonal, the key tail,
-    dropout) are split likewise, with z = scale * s + masks written in place first (see
-    _split_step): no equation reduces over rows, which the device variant (Options.cuda)
+    probs_spec's exponentials (after the first key block, with head dim 64 on the host f32
+    path: probs_rescale_spec, the exponentials and acc *= alpha in one pass; elsewhere
+    rescale_spec's pass follows the step). The other steps (masks, the causal diagonal, the
+    key tail, dropout) are split likewise, with z = scale * s + masks written in place first
+    (see _split_step): no equation reduces over rows, which the device variant (Options.cuda)
     needs and which on the host is faster than one equation with a column reduction."""
 
     def __init__(self, o: Options):
@@ -169,6 +171,18 @@ class Forward(_Nest):
         rescale, finish_row, finish = rescale_spec(d), finish_row_spec(), scale_rows_spec(d, dt)
         scale, ones, cm = t["scale"][0], t["ones"][0], t["cm"][0]
         extreme = tpp.make_unary("reduce_min" if o.negscale else "reduce_max", BK, BQ, axis=0)
+        # Q_i read once in row order (a row reduction into cx, which the block's column
+        # extremes overwrite before anything reads it) before the transpose reads it: the
+        # transpose's strided reads of a block that is not in cache wait on one miss after
+        # another (~1.3-2.6 us per 64 x 64 f32 block from L3 on the 2-core Zen 4), the
+        # row-order pass streams it (~0.3 us) and the transpose then hits L1 / L2: 4-8% of a
+        # B8 H12 S128 nest (one thread), whose query blocks come from L3 on every call.
+        # Reading K_j / V_j ahead the same way measured no gain (the BRGEMMs' own reads
+        # overlap their misses). Host only.
+        touch = None if o.cuda else tpp.make_unary("reduce_max", BQ, d, ldi=d, axis=1,
+                                                   dtype_in=dt, dtype_out=_dt.F32)
+
+        fuse = d == BK and not bf and not o.cuda     # probs_rescale_spec's shapes
 
         def plain(diag, tail):      # no element masks: z = s * scale
             return not (diag or o.keymask or o.mask2d or (tail and not o.mask2d))
@@ -182,6 +196,8 @@ class Forward(_Nest):
             m, l, alpha, sf, cx = (work[h, BK * BQ + BQ * d + x * BQ] for x in range(5))
             p_at = t["pb"][h] if bf else st
             for cond, addr in q_cases:       # Q_i^T, once per work item
+                if touch is not None:       # (cx: free until the block's column extremes)
+                    nest.call(touch, addr(h), cx, when=own + (j == 0,) + cond)
                 nest.call(transpose, addr(h), qT, when=own + (j == 0,) + cond)
             if bf:
                 nest.call(pack_q, qT, t["qV"][h], when=own + (j == 0,))
@@ -192,7 +208,7 @@ class Forward(_Nest):
                     for first, fcond in first_cases:
                         names = {"s": st, "scale": scale, "p": p_at, "pf": st, "m": m, "l": l,
                                  "m_out": m, "l_out": l, "alpha": alpha, "cm": cm,
-                                 "safe": sf, "sf": sf, "c": cx}
+                                 "safe": sf, "sf": sf, "c": cx, "acc": acc, "acc_out": acc}
                         if o.keymask:
                             names["cm"] = t["km"][mh, j * BK]
                         if o.mask2d:
@@ -201,18 +217,22 @@ class Forward(_Nest):
                         if o.dropout or not plain(diag, tail):
                             self._split_step(nest, o, first, diag, tail, names, when,
                                              ones, sums[first], _seed(h, qi, j))
-                            continue
-                        nest.call(extreme, st, cx, when=when)
-                        for spec in (stats_row_spec(first), probs_spec(o, diag, tail)):
-                            nest.call(spec, *[names[op.name] for op in spec.operands()],
-                                      when=when)
+                        else:
+                            nest.call(extreme, st, cx, when=when)
+                            fused = fuse and not first      # P^T and acc *= alpha, one pass
+                            for spec in (stats_row_spec(first), probs_rescale_spec(
+                                    o, diag, tail) if fused else probs_spec(o, diag, tail)):
+                                nest.call(spec, *[names[op.name] for op in spec.operands()],
+                                          when=when)
+                            if fused:
+                                continue
+                        if not first:
+                            nest.call(rescale, acc, alpha, acc, when=when)
                 v_b = kaddr(c, "v")
                 if bf:
                     nest.call(pack_v, v_b, t["vV"][h], when=own + visible + kcond)
                     v_b = t["vV"][h]
                 for first, fcond in first_cases:
-                    if not first:
-                        nest.call(rescale, acc, alpha, acc, when=own + visible + kcond + fcond)
                     nest.call(pv[first], p_at, v_b, acc,
                               when=own + visible + kcond + fcond)
                     if not o.dropout:
