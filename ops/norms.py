@@ -58,8 +58,9 @@ Performance (one thread, 4096 x 1024 f32; bench/suites/norm.py, `tpp-bench norm`
 writing STREAM_BYTES or more of blocks runs the nest variant with non-temporal stores, whole
 vectors where the outputs are 64-byte aligned (_np_empty aligns large numpy outputs; torch
 aligns its own). Thread CPU time on the shared 2-core Zen 4, glibc malloc pinned as in the
-bench: LayerNorm forward ~0.85 ms (~40 GB/s, RMSNorm ~0.7), LayerNorm fwd+bwd ~2.75 ms (torch
-~5.3), softmax forward ~1.25 ms (exp-bound; torch ~2.5), 32768 x 128 softmax ~1.4 ms.
+bench: LayerNorm forward ~0.8 ms (~40 GB/s, RMSNorm ~0.7), LayerNorm fwd+bwd ~2.75 ms (torch
+~5.3), softmax forward ~1.0-1.2 ms (exp-bound, its rows software-pipelined by the equation
+compiler: tpp_cpu.equation's "Pipelined rows"; torch ~2.5), 32768 x 128 softmax ~1.35 ms.
 
 LayerNorm forward:  mu = mean(x), var = mean((x - mu)^2) (two passes: no cancellation),
 rstd = 1 / sqrt(var + eps), y = fma(x, rstd, -mu * rstd) * w + b.

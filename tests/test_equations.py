@@ -320,7 +320,10 @@ def test_rowwise_second_pass_prefetches_the_next_row(m, n):
     x2 = eq2.input("x")
     cheap = eq2.compile(x2 - eq2.sum(x2, axis=1))
     assert _schedule(heavy).prefetching and "prefetcht0" in heavy.dump("asm")
-    assert not _schedule(cheap).prefetching and "prefetch" not in cheap.dump("asm")
+    plan = _schedule(cheap)
+    assert not plan.prefetching
+    if not plan.pipelining:      # (a pipelined one-input kernel prefetches rows ahead instead)
+        assert "prefetch" not in cheap.dump("asm")
     xa, dya, wa = _rand(m, n), _rand(m, n), _rand(n)
     ga = dya * wa
     sa = (ga.astype(np.float64) * xa).sum(1, keepdims=True)
@@ -328,19 +331,82 @@ def test_rowwise_second_pass_prefetches_the_next_row(m, n):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,n", [(3, 1024), (4, 1000), (5, 300), (9, 1024), (33, 517)])
+def test_pipelined_rows_match_the_plain_schedule(m, n, monkeypatch):
+    """Rows of a one-at-a-time rowwise kernel with a heavy pass (PIPE_OPS operations or more:
+    a transcendental) run pipelined (pass 1 of row t beside pass 2 of row t - 1 and the
+    outputs of row t - depth, rows more than depth + 1): bit for bit the results of the plain
+    schedule, for one and two reduction levels, a kept exp, a row with a NaN, per-row outputs
+    and a sum down the columns. A light kernel keeps the plain schedule."""
+    import tpp_cpu.equation as gen
+    from tpp.runtime import cache
+    from tpp_cpu import backend
+    # no disk cache: its keys do not know PIPELINE
+    monkeypatch.setattr(backend, "_disk", lambda: cache.DiskCache(None))
+    rng = np.random.default_rng(m * n)
+    xa = rng.standard_normal((m, n)).astype(np.float32)
+    wa = rng.standard_normal(n).astype(np.float32)
+    xa[m // 2, n // 3] = np.nan
+
+    def build():
+        eq = tpp.equation(m, n)
+        x = eq.input("x")
+        e = eq.exp(x - eq.max(x, axis=1))
+        sm = eq.compile(e / eq.sum(e, axis=1))
+        mu = eq.mean(x, 1)
+        xc = x - mu
+        r = 1.0 / eq.sqrt(eq.mean(xc * xc, 1) + 1e-5)
+        ln = eq.compile(eq.tanh(xc * r), rstd=r)
+        light = eq.compile(xc * r)
+        eq2 = tpp.equation(m, n)
+        x2, w2 = eq2.input("x"), eq2.input("w", bcast="row")
+        g = eq2.sum(x2 * x2, axis=1)
+        one = eq2.compile(eq2.exp(-eq2.abs(x2 * w2 - g * x2)), dw=eq2.sum(x2 * w2, axis=0))
+        return sm, ln, one, light
+
+    def run(kernels):
+        sm, ln, one, light = kernels
+        out = ln(x=xa)
+        return [sm(x=xa), out.out, out.rstd, *one(x=xa, w=wa), light(x=xa)]
+
+    monkeypatch.setattr(gen, "PIPELINE", True)
+    monkeypatch.setattr(gen, "PIPE_UNROLL", gen.UNROLL)     # the same sums, in the same order
+    tpp.clear_caches()
+    piped = build()
+    long_rows = -(-n // 16) > 16        # (short rows go in groups instead)
+    assert [_schedule(k).pipelining for k in piped] == [m >= 4 and long_rows] * 2 + [
+        long_rows, False]
+    got = run(piped)
+    monkeypatch.setattr(gen, "PIPELINE", False)
+    tpp.clear_caches()
+    plain = build()
+    assert not any(_schedule(k).pipelining for k in plain)
+    want = run(plain)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    monkeypatch.setattr(gen, "PIPELINE", True)
+    monkeypatch.setattr(gen, "PIPE_UNROLL", 1)      # the default: one accumulator per sum
+    tpp.clear_caches()
+    for a, b in zip(run(build()), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-6)
+    tpp.clear_caches()
+
+
 @pytest.mark.parametrize("m,n", [(2, 16), (5, 37), (9, 128), (64, 256)])
 def test_short_rows_run_in_groups(m, n):
     """Short rows of a one-input rowwise kernel go ROW_GROUP at a time (each with its own
-    accumulators and kept exp buffer; an odd last row alone); two-input kernels one at a time.
-    Softmax and LayerNorm as numpy's."""
+    accumulators; an odd last row alone); two-input kernels one at a time, and so do heavy
+    ones (softmax's exp pass: pipelined instead, from 4 rows, its exp kept). Softmax and
+    LayerNorm as numpy's."""
     import tpp_cpu.equation as gen
     eq = tpp.equation(m, n)
     x = eq.input("x")
     e = eq.exp(x - eq.max(x, axis=1))
     sm = eq.compile(e / eq.sum(e, axis=1), s=eq.sum(e, axis=1))
     ln = _layer_norm_eq(m, n)
-    assert _schedule(sm).group == gen.ROW_GROUP == 2 and _schedule(sm).kept
-    assert _schedule(ln).group == 2         # one block input (g and b are rows)
+    plan = _schedule(sm)
+    assert plan.group == 1 and plan.kept and plan.pipelining == (m >= 4)
+    assert _schedule(ln).group == gen.ROW_GROUP == 2    # one block input (g and b are rows)
     xa = _rand(m, n) * 3
     g, b = _rand(n), _rand(n)
     x64 = xa.astype(np.float64)

@@ -20,7 +20,7 @@ Two schedules:
            an axis-1 result (m values) live in stack arrays, a scalar result in one slot. Within
            a row, the axis-1 reductions of a pass accumulate in registers as in rowwise.
 
-Row groups: a short row (GROUP_VECTORS vectors or fewer) is mostly per-row latency: the
+Row groups (kernels without a heavy pass, see Pipelined rows): a short row (GROUP_VECTORS vectors or fewer) is mostly per-row latency: the
 horizontal reductions, the reciprocal, the broadcasts, each waiting for the pass before. A
 rowwise kernel with one block input then runs ROW_GROUP rows together, each pass over both
 (their chains interleaved, accumulators and kept row buffers of their own). 32768 x 128 f32,
@@ -36,6 +36,24 @@ forward), it prefetches the next row of every block input, a line per vector, so
 works while the core computes (4096 x 1024 f32 LayerNorm dx, one thread: 1.8 -> 1.5 ms;
 passes of 2-3 operations, softmax's and the forwards', lost 5-10 % with it).
 
+Pipelined rows: a rowwise kernel with a heavy pass (PIPE_OPS vector operations per vector or
+more, a transcendental counted by its expansion: softmax's exp pass) runs its rows one at a
+time, software-pipelined: one loop over the columns evaluates pass 1 of row t (reading it from
+memory, PIPE_PREFETCH rows ahead prefetched), pass 2 of row t - 1, ..., and the outputs of row
+t - depth (emit_pipelined). The passes are compute-bound on different ports (softmax: the max
+on the FADD ports, exp on the FMA ones) and the memory reads of one row overlap the arithmetic
+on the others; one accumulator per reduction (PIPE_UNROLL, in every row of such a kernel),
+the other rows' work filling its latency. f32 softmax, one thread, the bench's figures:
+4096 x 1024 x1.80 -> x2.17 torch, 32768 x 128 (instead of row groups) x1.60 -> x2.04. Light
+kernels (LayerNorm's, RMSNorm's passes: 2-4 operations) measured 5-30 % slower pipelined
+(three or more rows of a block in flight crowd the L1 sets that rows 4 KiB apart share) and
+keep the plain schedule.
+
+Sums of products: a sum along a row of a * b accumulates with one fma per full vector (one
+rounding instead of two; the multiply and add then use one FMA port slot instead of an FMA
+and an FADD one): LayerNorm's variance pass, its backward's sums (4096 x 1024 LayerNorm
+forward 3-4 % faster).
+
 Values that do not vary along a row (per-row or scalar nodes) are computed once per row or once
 per kernel, not per vector. A transcendental needed by several passes is computed once and kept
 in a stack buffer for the later ones (plan_kept). Tail lanes past n enter reductions as the reduction's identity.
@@ -47,6 +65,7 @@ import math
 from llvmlite import ir
 
 from tpp.core import expr as X
+from tpp.core import mathlib
 from tpp.core.equation_spec import MAX_STAGE_ELEMENTS
 from tpp.core.errors import UnsupportedError
 from tpp.core.spec import mask_bytes
@@ -60,6 +79,13 @@ KEPT_ELEMENTS = 1 << 14   # f32 a rowwise kernel may keep on its stack (see _Gen
 ROW_GROUP = 2             # rows a rowwise kernel with short rows processes together (group)
 GROUP_VECTORS = 16        # "short": at most this many vectors per row
 PREFETCH_OPS = 4          # block operations per vector from which pass 2 prefetches (plan_prefetch)
+FMA_SUMS = True           # sums of products accumulate with fma (_product)
+PIPELINE = True           # software-pipeline the rowwise passes over the rows (emit_pipelined)
+PIPE_OPS = 8              # ... when one of its passes does this many vector operations or more
+PIPE_UNROLL = 1           # accumulators per reduction in the pipelined loop
+PIPE_PREFETCH = 2         # the pipelined loop prefetches this many rows ahead of pass 1 (0: none)
+PIPE_STREAMS = 1          # ... when it reads this many blocks or fewer
+PIPE_LOCALITY = 3         # llvm.prefetch's locality for those
 
 
 def _aligned(slots):
@@ -86,6 +112,14 @@ def _combine(b, op, x, y):
     name = "llvm.maximum" if op == "rmax" else "llvm.minimum"
     fn = irx.intrinsic(b.module, name, x.type, [x.type, y.type])
     return b.call(fn, [x, y], fastmath=("nsz",))
+
+
+def _product(r):
+    """Whether the reduction r is a sum of products of blocks that its full vectors accumulate
+    with one fma (acc + a * b rounded once: the multiplication on an FMA port instead of a
+    multiply there and an add on an FADD port; 4096 x 1024 LayerNorm's variance pass)."""
+    a = r.args[0]
+    return FMA_SUMS and r.op == "rsum" and a.op == "mul" and a.shape == "block"
 
 
 def _tree(b, op, values):
@@ -136,11 +170,21 @@ class _Gen:
         self.storage = {}
         self.done = set()          # reductions whose stored results are complete (general)
         self.kept = {}             # node -> (row buffer, the pass computing it) (rowwise)
+        self.kept_stages = {}      # node -> (the pass computing it, the last pass reading it)
         self.prefetching = False   # pass 2 prefetches the next row (plan_prefetch)
+        self.pipelining = False    # the rows run pipelined (emit_pipelined)
         vectors = -(-self.n // self.w)
-        streams = sum(1 for o in operands if o.role == "in" and o.layout == "block")
+        self.streams = streams = sum(1 for o in operands if o.role == "in"
+                                     and o.layout == "block")
         self.group = ROW_GROUP if (self.rowwise and self.depth and vectors <= GROUP_VECTORS
                                    and streams == 1 and self.m >= ROW_GROUP) else 1
+        # a rowwise kernel with a pass of PIPE_OPS operations or more: pipelined rows (from
+        # depth + 2 rows; see pipelined), no groups, PIPE_UNROLL accumulators (in every row,
+        # pipelined or not: a row's sums do not depend on where it falls)
+        self.heavy = bool(PIPELINE and self.rowwise and self.depth
+                          and self.heaviest_pass() >= PIPE_OPS)
+        if self.heavy:
+            self.group = 1
 
     # ------------------------------------------------------------ leaves
     def leaf_fn(self, row, col, count):
@@ -256,6 +300,7 @@ class _Gen:
         for nd, used in stages.items():
             if len(used) > 1 and size <= budget:
                 budget -= size
+                self.kept_stages[nd] = (used[0], used[-1])
                 slots = _aligned(self.b.alloca(F32, size=size))
                 self.kept[nd] = (self.b.inttoptr(self.b.ptrtoint(slots, irx.I64), irx.PTR),
                                  used[0])
@@ -274,17 +319,19 @@ class _Gen:
                   and nd.op not in X.REDUCTIONS)
         self.prefetching = ops >= PREFETCH_OPS
 
-    def prefetch(self, row, col, stage):
+    def prefetch(self, row, col, stage, ahead=None):
         """In pass 2 (when planned), prefetch the vector at (row + 1, col) of every block
-        input (past the block's last row: the caller's next block, or nothing)."""
-        if not self.prefetching or stage != 2:
+        input (past the block's last row: the caller's next block, or nothing); ahead: that
+        many rows ahead, whatever the pass (the pipelined schedule's)."""
+        if ahead is None and (not self.prefetching or stage != 2):
             return
         b = self.b
         for name, o in self.operand.items():
             if o.layout == "block" and o.role == "in":
-                offset = b.add(b.mul(b.add(row, i64(self.group)), i64(o.ld)), col)
+                offset = b.add(b.mul(b.add(row, i64(ahead or self.group)), i64(o.ld)), col)
                 ptr = irx.element_ptr(b, self.ptr[name], offset, irx.storage_type(o.dtype))
-                irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, 0), ir.Constant(I32, 3),
+                irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, 0),
+                         ir.Constant(I32, PIPE_LOCALITY if ahead else 3),
                          ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[irx.PTR])
 
     def chunk_render(self, nodes, memo, row, col, count, stage, slot=0):
@@ -338,26 +385,48 @@ class _Gen:
             stack.extend(a for a in x.args if a not in memo)
         return True
 
-    def rowwise_level(self, rows, memos, reds, stage=None):
+    def rowwise_level(self, rows, memos, reds, stage=None, ahead=None, extra=None):
         """Accumulate this level's reductions over each row of `rows` (a group processed
         together; UNROLL accumulators per reduction and row, one per vector of an unrolled
-        step); put their splatted results into that row's memo."""
-        b, w, k = self.b, self.w, len(reds)
-        group = len(rows)
-        args = [r.args[0] for r in reds]
-        unroll = max(1, min(UNROLL, self.full))
-        per_row = k * unroll
-        accs = [const(vec(F32, w), _IDENTITY[r.op]) for r in reds] * (unroll * group)
+        step); put their splatted results into that row's memo. ahead: more (rows, memos, reds,
+        stage) accumulated in the same loop, in this order after the first (the pipelined
+        schedule: the passes of later rows); extra(col, count): more per-vector work of the
+        loop, emitted first at each column (the pipelined schedule's outputs of an earlier
+        row)."""
+        b, w = self.b, self.w
+        parts = [(rows, memos, reds, stage)] + list(ahead or ())
+        unroll = max(1, min(PIPE_UNROLL if self.heavy else UNROLL, self.full))
+        slots = {}
+        accs = []
+        for p, (p_rows, _, p_reds, _) in enumerate(parts):
+            for g in range(len(p_rows)):
+                for u in range(unroll):
+                    for i, r in enumerate(p_reds):
+                        slots[p, g, u, i] = len(accs)
+                        accs.append(const(vec(F32, w), _IDENTITY[r.op]))
 
         def fold(accs, u, col, count):
-            for g, (row, memo) in enumerate(zip(rows, memos)):
-                values = self.chunk_render(args, memo, row, col, count, stage, g)
-                if count is None:
-                    self.prefetch(row, col, stage)
-                for i, r in enumerate(reds):
-                    v = self.masked(r, values[i], count)
-                    at = g * per_row + u * k + i
-                    accs[at] = _combine(b, r.op, accs[at], v)
+            if extra is not None:
+                extra(col, count)
+            for p, (p_rows, p_memos, p_reds, p_stage) in enumerate(parts):
+                fused = [count is None and _product(r) for r in p_reds]
+                args = []
+                for r, f in zip(p_reds, fused):
+                    args += list(r.args[0].args) if f else [r.args[0]]
+                for g, (row, memo) in enumerate(zip(p_rows, p_memos)):
+                    values = self.chunk_render(args, memo, row, col, count, p_stage, g)
+                    if count is None:
+                        self.prefetch(row, col, p_stage)
+                    k = 0
+                    for i, (r, f) in enumerate(zip(p_reds, fused)):
+                        at = slots[p, g, u, i]
+                        if f:       # a sum of products: one fma per vector
+                            accs[at] = irx.fma(b, values[k], values[k + 1], accs[at])
+                            k += 2
+                            continue
+                        v = self.masked(r, values[k], count)
+                        k += 1
+                        accs[at] = _combine(b, r.op, accs[at], v)
 
         steps = self.full // unroll
         if steps:
@@ -371,10 +440,11 @@ class _Gen:
             fold(accs, j % unroll, i64(j * w), None)
         if self.tail:
             fold(accs, 0, i64(self.full * w), self.tail)
-        for g, memo in enumerate(memos):
-            for i, r in enumerate(reds):
-                total = _tree(b, r.op, [accs[g * per_row + u * k + i] for u in range(unroll)])
-                memo[r] = _horizontal(b, r.op, total)
+        for p, (p_rows, p_memos, p_reds, _) in enumerate(parts):
+            for g, memo in enumerate(p_memos):
+                for i, r in enumerate(p_reds):
+                    total = _tree(b, r.op, [accs[slots[p, g, u, i]] for u in range(unroll)])
+                    memo[r] = _horizontal(b, r.op, total)
 
     def store_outputs(self, memo, row, col, count, shapes, streaming=False, stage=None, slot=0,
                       down=()):
@@ -445,19 +515,125 @@ class _Gen:
             self.chunks(row_outputs)
         group = self.group
         whole = self.m - self.m % group
-        if whole:
+        if whole and self.pipelined(whole):
+            self.pipelining, self.prefetching = True, False     # it prefetches its own way
+            self.emit_pipelined(base, streaming, whole)
+        elif whole:
             with irx.for_range(b, whole, step=group, name="row") as row:
                 rows = [row] + [b.add(row, i64(g)) for g in range(1, group)]
-                self.rowwise_rows(rows, base, streaming)
+                self.rowwise_rows(rows, [dict(base) for _ in rows], streaming)
         for r in range(whole, self.m):      # rows past the last group, one at a time
-            self.rowwise_rows([i64(r)], base, streaming)
+            self.rowwise_rows([i64(r)], [dict(base)], streaming)
         if self.down:       # the row-shaped outputs, the sums down the columns among them
             self.chunks(row_outputs)
 
-    def rowwise_rows(self, rows, base, streaming):
-        """The passes of the rowwise schedule over a group of rows, together."""
-        memos = [dict(base) for _ in rows]
-        for level in range(1, self.depth + 1):
+    def pipelined(self, whole):
+        """Whether the rowwise rows run pipelined (emit_pipelined): rows one at a time, more
+        rows than passes, a pass of PIPE_OPS vector operations or more (compute-bound: the
+        pipeline overlaps its ports and memory with the other passes; passes of a few
+        operations, LayerNorm's and RMSNorm's, measured no faster or slower, their rows' L1
+        sets crowded by the rows in flight), the pass-2 prefetch replaced by the pipeline's
+        own where planned (one input block), and every kept value read only by the pass
+        after the one computing it (the next row's pass overwrites it one row later)."""
+        if not self.heavy or whole < self.depth + 2:
+            return False
+        if self.prefetching and self.streams > PIPE_STREAMS:
+            return False
+        return all(last == first + 1 for first, last in self.kept_stages.values())
+
+    def heaviest_pass(self):
+        """The most vector operations per vector of block that one pass evaluates, a
+        transcendental counted by its expansion (softmax's exp pass: 16; LayerNorm's, RMSNorm's
+        passes: 4 or fewer)."""
+        most = 0
+        for level in range(1, self.depth + 2):
+            if level <= self.depth:
+                targets = [r.args[0] for r in self.reductions if self.level[r] == level]
+            else:
+                targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
+            inside = X.topological(targets, lambda nd: nd.op in X.REDUCTIONS
+                                   or nd.shape != "block")
+            ops = 0
+            for nd in inside:
+                if nd.shape != "block" or nd.op in X.LEAVES or nd.op in X.REDUCTIONS:
+                    continue
+                if nd.op == "prim":
+                    body = mathlib.PRIMS[nd.attr[0]].expand(*nd.args)
+                    ops += sum(1 for e in X.topological([body], lambda e: e in nd.args)
+                               if e not in nd.args and e.op not in X.LEAVES
+                               and e.op not in ("const", "iconst"))
+                else:
+                    ops += 1
+            most = max(most, ops)
+        return most
+
+    def emit_pipelined(self, base, streaming, whole):
+        """The rowwise passes software-pipelined over the rows: one loop over a row's columns
+        runs pass 1 (reading it from memory) on row t, pass 2 on row t - 1, ..., the outputs
+        on row t - depth, so that the memory reads of one row overlap the computation on the
+        others, and passes that use different execution ports share them (softmax's maxima
+        beside its exp beside its outputs). Each row
+        gets the same operations as in the plain schedule; kept values of the outputs' pass
+        are read (older row) before the pass computing them writes (newer row) at each
+        column. The first and last `depth` rows fill and drain the pipeline, pass by pass."""
+        b, depth = self.b, self.depth
+        levels = {s: [r for r in self.reductions if self.level[r] == s and r not in self.down]
+                  for s in range(1, depth + 1)}
+        # prologue: row j completes its levels 1 .. depth - j
+        pending = {}
+        for j in range(depth):
+            row, memo = i64(j), dict(base)
+            for s in range(1, depth - j + 1):
+                self.row_values(row, memo)
+                self.rowwise_level([row], [memo], levels[s], s)
+            pending[depth - j] = memo        # k = t - row at t = depth: levels 1 .. k done
+
+        def pack(memo_of):
+            return [memo_of(k)[r] for k in range(1, depth + 1) for s in range(1, k + 1)
+                    for r in levels[s]]
+
+        def unpack(values):
+            memos, at = {}, 0
+            for k in range(1, depth + 1):
+                memo = dict(base)
+                for s in range(1, k + 1):
+                    for r in levels[s]:
+                        memo[r] = values[at]
+                        at += 1
+                memos[k] = memo
+            return memos
+
+        with irx.for_carry(b, whole, pack(lambda k: pending[k]), start=depth,
+                           name="row") as st:
+            t = st.index
+            memos = unpack(st.values)
+            memos[0] = dict(base)
+            rows = {k: b.sub(t, i64(k)) if k else t for k in range(depth + 1)}
+            for k in range(depth + 1):
+                self.row_values(rows[k], memos[k])
+            last, last_memo = rows[depth], memos[depth]
+            self.store_outputs(last_memo, last, i64(0), 1, ("col",))
+
+            def body(col, count):
+                self.store_outputs(dict(last_memo), last, col, count, ("block",), streaming,
+                                   depth + 1, 0, self.down)
+                if count is None and self.streams <= PIPE_STREAMS and PIPE_PREFETCH:
+                    self.prefetch(t, col, None, PIPE_PREFETCH)
+            # the passes of older rows first: each reads its kept values before a newer row's
+            # pass overwrites them
+            parts = [([rows[k]], [memos[k]], levels[k + 1], k + 1)
+                     for k in range(depth - 1, -1, -1)]
+            (r0, m0, red0, s0), rest = parts[0], parts[1:]
+            self.rowwise_level(r0, m0, red0, s0, rest, extra=body)
+            st.values = pack(lambda k: memos[k - 1])
+        done = unpack(st.values)
+        for k in range(depth, 0, -1):        # drain: row whole - k has its levels 1 .. k
+            self.rowwise_rows([i64(whole - k)], [done[k]], streaming, start=k + 1)
+
+    def rowwise_rows(self, rows, memos, streaming, start=1):
+        """The passes of the rowwise schedule over a group of rows, together, from reduction
+        level `start` (the earlier ones are in memos)."""
+        for level in range(start, self.depth + 1):
             for row, memo in zip(rows, memos):
                 self.row_values(row, memo)
             reds = [r for r in self.reductions if self.level[r] == level
