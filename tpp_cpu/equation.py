@@ -277,6 +277,17 @@ class _Gen:
         return irx.splat(b, irx.load_scalar(b, p, offset, F32), w)
 
     # ------------------------------------------------------------ kept intermediates
+    def pass_nodes(self):
+        """(stage, the block-shaped nodes that stage's pass evaluates) for each pass of the
+        rowwise schedule: 1..depth the reduction levels, depth+1 the outputs."""
+        for level in range(1, self.depth + 2):
+            if level <= self.depth:
+                targets = [r.args[0] for r in self.reductions if self.level[r] == level]
+            else:
+                targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
+            yield level, X.topological(targets, lambda nd: nd.op in X.REDUCTIONS
+                                       or nd.shape != "block")
+
     def plan_kept(self):
         """A transcendental that several passes need (softmax's exp(x - max): the sum's pass
         and the output's) is computed once, in the first of them, and kept for the others in a
@@ -284,13 +295,7 @@ class _Gen:
         the whole block in the general one (when it fits KEPT_ELEMENTS). Each pass is a
         "stage": 1..depth the reduction levels, depth+1 the outputs."""
         stages = {}
-        for level in range(1, self.depth + 2):
-            if level <= self.depth:
-                targets = [r.args[0] for r in self.reductions if self.level[r] == level]
-            else:
-                targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
-            inside = X.topological(targets, lambda nd: nd.op in X.REDUCTIONS
-                                   or nd.shape != "block")
+        for level, inside in self.pass_nodes():
             for nd in inside:
                 if nd.op == "prim" and nd.shape == "block":
                     stages.setdefault(nd, []).append(level)
@@ -546,13 +551,7 @@ class _Gen:
         transcendental counted by its expansion (softmax's exp pass: 16; LayerNorm's, RMSNorm's
         passes: 4 or fewer)."""
         most = 0
-        for level in range(1, self.depth + 2):
-            if level <= self.depth:
-                targets = [r.args[0] for r in self.reductions if self.level[r] == level]
-            else:
-                targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
-            inside = X.topological(targets, lambda nd: nd.op in X.REDUCTIONS
-                                   or nd.shape != "block")
+        for _, inside in self.pass_nodes():
             ops = 0
             for nd in inside:
                 if nd.shape != "block" or nd.op in X.LEAVES or nd.op in X.REDUCTIONS:
