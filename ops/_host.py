@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import threading
 import types
 
 import numpy as np
@@ -22,7 +23,7 @@ import tpp
 from tpp.runtime import arrays, device_arrays, registry
 from tpp.runtime.device import CPU, Device
 from tpp.runtime.device_arrays import CudaView
-from tpp.runtime.lru import LRU
+from tpp.runtime.lru import LRU, also_clear
 
 from tpp.core import checks
 from tpp.core import dtypes as _dt
@@ -227,6 +228,46 @@ def empty(shape, dtype: _dt.DType, like):
     if on_device(like):
         return _device_empty(shape, dtype, like)
     return np.empty(tuple(shape), dtype.numpy)
+
+
+def like(arr, like_this):
+    """arr (a host numpy array) as an array of like_this's kind: a torch CPU tensor viewing
+    the same memory (bf16 too) when like_this is a torch tensor, else arr itself."""
+    if not arrays.is_torch(like_this):
+        return arr
+    import torch
+    if arr.dtype == _dt.BF16.numpy:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+# ------------------------------------------------------------ per-thread scratch
+# An operator's large intermediate (never returned to the caller) is kept by the thread that
+# made it and handed to its next call of the same name: a fresh 64 MB array costs ~8-15 ms of
+# page faults here, as long as a pass over it. At most SCRATCH_KEEP_BYTES per name and
+# thread are kept (larger ones are made fresh every call); tpp.clear_caches() drops the
+# calling thread's.
+SCRATCH_KEEP_BYTES = 128 << 20
+_SCRATCH = threading.local()
+
+
+def scratch(name: str, shape, dtype: _dt.DType) -> np.ndarray:
+    """An uninitialised C-contiguous host array for an intermediate called `name`: the one
+    this thread's last call of that name used when the shape and dtype are the same. Its
+    contents are undefined, and it is valid only until this thread asks for `name` again:
+    two live intermediates need two names."""
+    shape = tuple(shape)
+    if math.prod(shape) * dtype.itemsize > SCRATCH_KEEP_BYTES:
+        return np.empty(shape, dtype.numpy)
+    kept = _SCRATCH.__dict__.setdefault("arrays", {})
+    arr = kept.get(name)
+    if arr is None or arr.shape != shape or arr.dtype != dtype.numpy:
+        kept[name] = None       # the old one goes before the new one is made
+        arr = kept[name] = np.empty(shape, dtype.numpy)
+    return arr
+
+
+also_clear(lambda: _SCRATCH.__dict__.pop("arrays", None))
 
 
 # ------------------------------------------------------------ large torch outputs

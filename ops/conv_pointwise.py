@@ -52,7 +52,6 @@ from tpp.runtime.lru import also_clear
 from . import _host, blocked
 from . import conv_subsample as _subsample
 from .conv_layout import Geometry, _threads
-from .mlp import _scratch
 
 BK = 64        # output channels (forward) / input channels (data gradient) per block
 BQ = 64        # pixels per block
@@ -238,7 +237,7 @@ def weight_grad(dy, x, geo):
     rows, cols, a, b = geo.k, geo.c, _flat(dy), _flat(x)
     if geo.k < geo.c:
         rows, cols, a, b = geo.c, geo.k, b, a
-    bt = _scratch("conv_pointwise_t", (n, hw, cols), geo.dtype, x)
+    bt = _host.scratch("conv_pointwise_t", (n, hw, cols), geo.dtype)
     _transpose_nest(cols, hw, geo.dtype)(b, bt, threads=threads)
     out = dw2 if rows == geo.k else _host.empty((rows, cols), _dt.F32, x)
     _dw_nest(cols, rows, hw, geo.dtype)(a, bt, out, threads=threads)

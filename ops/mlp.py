@@ -22,7 +22,6 @@ different devices are an ArgumentError.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,14 +160,15 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
         raise ArgumentError(f"dy is {_host.dtype_of(dy2, 'dy')}, the forward ran in {dt}")
     if saved.activation is None:
         dz = dy2
-    else:
-        dz = _host.empty((m, n), dt, dy2)
+    else:       # an intermediate: per-thread scratch on the host (no page faults per call)
+        dz = _host.empty((m, n), dt, dy2) if _host.on_device(dy2) else \
+            _host.like(_host.scratch("dz", (m, n), dt), dy2)
         blocked.map_rows(_BACKWARD[saved.activation], [dy2, saved.z], dz)
     dx = dw = db = None
     if need_x:
         dx = _host.reshape(matmul(dz, pack_kn(w)), (*saved.lead, k))
     if need_w:
-        dw = weight_grad_packed(dz, x)
+        dw = (weight_grad_packed if dt == _dt.BF16 or PACKED_F32_DW else weight_grad)(dz, x)
     if need_b and saved.bias:
         sums = blocked.column_sums(dz, _host.empty((n,), _dt.F32, dz))
         if dt == _dt.F32:
@@ -239,8 +239,12 @@ def weight_grad(dz, x):
     return out
 
 
-# dw by a GEMM over packed blocks (weight_grad_packed): 4096x1024x4096 on 2 cores, f32
-# ~172 ms vs ~184 for weight_grad's rank-1 nest, bf16 ~92 ms vs ~193 (VNNI dot products)
+# dw by a GEMM over packed blocks (weight_grad_packed) for bf16: VNNI dot products need pairs
+# along M, which the rank-1 nest widens to f32 FMAs instead (4096x1024x4096 on 2 cores: ~92
+# vs ~193 ms; MiniLM's and BERT-base's shapes 1.4-1.8x). f32 takes the rank-1 nest unless
+# PACKED_F32_DW: on one thread it is 10-22% faster than packing at MiniLM's and BERT-base's
+# shapes and 4096x1024x4096 (thread CPU time, Zen 4), on two threads within noise of it.
+PACKED_F32_DW = False
 _TB = 64      # rows of M per transposed block of dz (the GEMM's depth per batch entry)
 _STEP = 1024  # rows of M per sequential step of the dw nest
 
@@ -329,44 +333,23 @@ def _packed_grad_nest(n, k, bn, dtype, order):
 also_clear(_packed_grad_nest.cache_clear)
 
 
-_SCRATCH = threading.local()
-
-
-_KEEP_BYTES = 128 << 20     # the largest intermediate a thread keeps between calls
-
-
-def _scratch(name, shape, dt, like):
-    """An uninitialised host array for a nest's intermediate, kept per thread and reused by
-    the next call of the same shape (a fresh 64 MB array costs ~8-15 ms of page faults here);
-    one over _KEEP_BYTES is made fresh each call, so a thread holds at most that much per
-    name."""
-    nbytes = int(np.prod(shape)) * dt.itemsize
-    if nbytes > _KEEP_BYTES:
-        return np.empty(shape, dt.numpy)
-    cache = _SCRATCH.__dict__.setdefault("arrays", {})
-    arr = cache.get(name)
-    if arr is None or arr.shape != tuple(shape) or arr.dtype != dt.numpy:
-        cache[name] = None
-        arr = cache[name] = np.empty(shape, dt.numpy)
-    return arr
-
-
 def weight_grad_packed(dz, x, order="aBC"):
-    """weight_grad (dz.T @ x) by a GEMM over packed operands, for numpy dz and x: the whole
-    64-row blocks of dz transposed ((M / 64, N, 64)) and of x in contiguous 64 x 64 tiles
-    (VNNI pairs for bf16), both in per-thread scratch reused between calls; the rows past
-    the last whole block as rank-1 updates. Sums in the same order as weight_grad."""
+    """weight_grad (dz.T @ x) by a GEMM over packed operands, for host dz and x (numpy arrays
+    or torch CPU tensors; device data takes weight_grad): the whole 64-row blocks of dz
+    transposed ((M / 64, N, 64)) and of x in contiguous 64 x 64 tiles (VNNI pairs for bf16),
+    both in per-thread scratch reused between calls; the rows past the last whole block as
+    rank-1 updates. Sums in the same order as weight_grad."""
     (m, n), k = dz.shape, x.shape[1]
     dt = _host.dtype_of(x, "x")
-    if m < _TB or not (isinstance(dz, np.ndarray) and isinstance(x, np.ndarray)):
+    if m < _TB or _host.on_device(dz) or _host.on_device(x):
         return weight_grad(dz, x)
     bn = default_bn(k)
-    dzt = _scratch("dzt", (m // _TB, n, _TB), dt, dz)
+    dzt = _host.scratch("dzt", (m // _TB, n, _TB), dt)
     threads = 1 if serial(2.0 * m * n * k, n * k * dt.itemsize) else None
     _blocks_t_nest(n, dt)(dz, dzt, threads=threads)
     kb = -(-k // bn)
-    xp = _scratch("xp", (m // _TB, kb, _TB // 2, 2 * bn) if dt == _dt.BF16
-                  else (m // _TB, kb, _TB, bn), dt, dz)
+    xp = _host.scratch("xp", (m // _TB, kb, _TB // 2, 2 * bn) if dt == _dt.BF16
+                       else (m // _TB, kb, _TB, bn), dt)
     _blocks_x_nest(k, bn, dt)(x, xp, threads=threads)
     dw = _host.empty((n, k), _dt.F32, dz)
     _packed_grad_nest(n, k, bn, dt, order)(dzt, xp, dz, x, dw, threads=threads)

@@ -79,3 +79,49 @@ def test_matmul_advises_only_large_torch_outputs(recorded):
     big = ops.matmul(x, w.T)
     assert len(recorded) == 1
     torch.testing.assert_close(big, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_scratch_is_kept_per_name_shape_and_dtype():
+    from tpp.core import dtypes
+    import tpp
+    a = _host.scratch("t_scratch", (3, 5), dtypes.F32)
+    assert a.shape == (3, 5) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert _host.scratch("t_scratch", (3, 5), dtypes.F32) is a
+    assert _host.scratch("t_other", (3, 5), dtypes.F32) is not a
+    b = _host.scratch("t_scratch", (5, 3), dtypes.F32)
+    assert b is not a and b.shape == (5, 3)
+    c = _host.scratch("t_scratch", (5, 3), dtypes.BF16)
+    assert c is not b and c.dtype == dtypes.BF16.numpy
+    tpp.clear_caches()
+    assert _host.scratch("t_scratch", (5, 3), dtypes.BF16) is not c
+
+
+def test_scratch_over_the_limit_is_fresh(monkeypatch):
+    from tpp.core import dtypes
+    monkeypatch.setattr(_host, "SCRATCH_KEEP_BYTES", 64)
+    a = _host.scratch("t_big", (4, 5), dtypes.F32)
+    assert _host.scratch("t_big", (4, 5), dtypes.F32) is not a
+
+
+def test_scratch_in_other_threads_is_their_own():
+    import threading
+    from tpp.core import dtypes
+    mine = _host.scratch("t_thread", (2, 2), dtypes.F32)
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(_host.scratch("t_thread", (2, 2),
+                                                                      dtypes.F32)))
+    t.start()
+    t.join()
+    assert theirs[0] is not mine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_like_views_host_memory_as_torch(dtype):
+    from tpp.core import dtypes
+    dt = dtypes.F32 if dtype == "float32" else dtypes.BF16
+    arr = np.arange(6, dtype=np.float32).astype(dt.numpy).reshape(2, 3)
+    assert _host.like(arr, arr) is arr
+    t = _host.like(arr, torch.zeros(1))
+    assert isinstance(t, torch.Tensor) and t.dtype == getattr(torch, dtype) and t.shape == (2, 3)
+    t[0, 0] = 7
+    assert float(arr[0, 0]) == 7.0

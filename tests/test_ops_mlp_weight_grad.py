@@ -33,3 +33,66 @@ def test_weight_grad_packed_matches_weight_grad(m, dtype):
                                    atol=2e-2 * np.sqrt(m))
     again = mlp.weight_grad_packed(dz, x)         # the kept scratch, reused
     np.testing.assert_array_equal(again, got)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_torch_tensors_take_the_packed_gemm(dtype, monkeypatch):
+    """torch CPU tensors (the drop-ins' backward) run the packed GEMM as numpy arrays do, with
+    the same results, and get a torch tensor back."""
+    torch = pytest.importorskip("torch")
+    mlp = importlib.import_module("ops.mlp")
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    dz = torch.randn(130, 70, generator=gen).to(tdt)
+    x = torch.randn(130, 90, generator=gen).to(tdt)
+    want = mlp.weight_grad(dz, x)
+    used = []
+    real = mlp._packed_grad_nest
+    monkeypatch.setattr(mlp, "_packed_grad_nest", lambda *a: used.append(a) or real(*a))
+    got = mlp.weight_grad_packed(dz, x)
+    assert used and isinstance(got, torch.Tensor) and got.dtype == tdt
+    if dtype == "f32":
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_mlp_backward_dz_scratch_is_reused_and_results_are_fresh():
+    """The activation's gradient dz is per-thread scratch: a second backward reuses it, and
+    the gradients returned by the first call are not overwritten by the second."""
+    import ops
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((130, 40), dtype=np.float32)
+    w = rng.standard_normal((50, 40), dtype=np.float32)
+    b = rng.standard_normal(50, dtype=np.float32)
+    dy1, dy2 = (rng.standard_normal((130, 50), dtype=np.float32) for _ in range(2))
+    _, saved = ops.mlp_forward(x, w, b, "gelu")
+    first = [g.copy() for g in ops.mlp_backward(dy1, saved)]
+    kept = ops.mlp_backward(dy1, saved)
+    ops.mlp_backward(dy2, saved)
+    for a, b_ in zip(first, kept):
+        np.testing.assert_array_equal(a, b_)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_mlp_backward_routes_dw_by_dtype(dtype, monkeypatch):
+    """bf16 weight gradients take the packed GEMM (VNNI pairs), f32 the rank-1 nest (unless
+    PACKED_F32_DW), for numpy and torch alike."""
+    torch = pytest.importorskip("torch")
+    import ops
+    mlp = importlib.import_module("ops.mlp")
+    used = []
+    real = mlp._packed_grad_nest
+    monkeypatch.setattr(mlp, "_packed_grad_nest", lambda *a: used.append(a) or real(*a))
+    tdt = torch.float32 if dtype == "f32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(130, 40, generator=gen).to(tdt)
+    w = torch.randn(50, 40, generator=gen).to(tdt)
+    dy = torch.randn(130, 50, generator=gen).to(tdt)
+    _, saved = ops.mlp_forward(x, w, None, "relu")
+    dw = ops.mlp_backward(dy, saved)[1]
+    assert bool(used) == (dtype == "bf16") and isinstance(dw, torch.Tensor)
+    z = torch.nn.functional.linear(x.float(), w.float())
+    want = (dy.float() * (z > 0)).t() @ x.float()
+    torch.testing.assert_close(dw.float(), want, rtol=1e-2 if dtype == "bf16" else 1e-5,
+                               atol=1e-1 if dtype == "bf16" else 1e-4)
