@@ -559,16 +559,18 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
 
     def scratch():
         if small:
-            return dict(_reused(("bwd", hc, hkc, snq, snk, d, dt, vnni), fresh), **shared)
+            return dict(_reused(("bwd", hc, hkc, snq, snk, d, dt, vnni, nest.direct),
+                                fresh), **shared)
         return dict(fresh(), **shared)
 
     def fresh():
         arrays = dict(delta=np.empty((hc, snq * BQ), np.float32),
-                      gq=np.empty((hc, snq, BQ, d), np.float32),
-                      gk=np.empty((hkc, snk, BK, d), np.float32),
-                      gv=np.empty((hkc, snk, BK, d), np.float32),
                       st=np.empty((hkc, BK, BQ), np.float32),
                       dpt=np.empty((hkc, BK, BQ), np.float32))
+        if not nest.direct:     # (a direct nest accumulates in dq, dk, dv)
+            arrays.update(gq=np.empty((hc, snq, BQ, d), np.float32),
+                          gk=np.empty((hkc, snk, BK, d), np.float32),
+                          gv=np.empty((hkc, snk, BK, d), np.float32))
         if K.vnni(pr.options()):
             pairs = (d + 1) // 2
             arrays.update(qT=np.empty((hc, d, BQ), dt.numpy),
