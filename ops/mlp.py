@@ -243,7 +243,8 @@ def weight_grad(dz, x):
 # along M, which the rank-1 nest widens to f32 FMAs instead (4096x1024x4096 on 2 cores: ~92
 # vs ~193 ms; MiniLM's and BERT-base's shapes 1.4-1.8x). f32 takes the rank-1 nest unless
 # PACKED_F32_DW: on one thread it is 10-22% faster than packing at MiniLM's and BERT-base's
-# shapes and 4096x1024x4096 (thread CPU time, Zen 4), on two threads within noise of it.
+# shapes and 4096x1024x4096 (thread CPU time, Zen 4); on two threads 3-29% faster at MiniLM's
+# (4096 x 384 x 384 .. 4096 x 1536 x 384), equal at 4096x1024x4096 (a whole MLP step too).
 PACKED_F32_DW = False
 _TB = 64      # rows of M per transposed block of dz (the GEMM's depth per batch entry)
 _STEP = 1024  # rows of M per sequential step of the dw nest
