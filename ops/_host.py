@@ -230,15 +230,18 @@ def empty(shape, dtype: _dt.DType, like):
     return np.empty(tuple(shape), dtype.numpy)
 
 
-def like(arr, like_this):
-    """arr (a host numpy array) as an array of like_this's kind: a torch CPU tensor viewing
-    the same memory (bf16 too) when like_this is a torch tensor, else arr itself."""
-    if not arrays.is_torch(like_this):
-        return arr
+def as_torch(arr):
+    """arr (a host numpy array) as a torch CPU tensor viewing the same memory (bf16 too)."""
     import torch
     if arr.dtype == _dt.BF16.numpy:
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
+
+
+def like(arr, like_this):
+    """arr (a host numpy array) as an array of like_this's kind: as_torch(arr) when
+    like_this is a torch tensor, else arr itself."""
+    return as_torch(arr) if arrays.is_torch(like_this) else arr
 
 
 # ------------------------------------------------------------ per-thread scratch

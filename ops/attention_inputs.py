@@ -38,12 +38,7 @@ def _numpy(x):
 
 def _result(arr, torch_out):
     """arr (numpy) as a torch tensor when the inputs were torch tensors (zero-copy)."""
-    if not torch_out:
-        return arr
-    import torch
-    if arr.dtype == _dt.BF16.numpy:
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
+    return _host.as_torch(arr) if torch_out else arr
 
 
 def _mask(mask, shape, dt, device=False):
