@@ -57,23 +57,26 @@ forward 3-4 % faster).
 Values that do not vary along a row (per-row or scalar nodes) are computed once per row or once
 per kernel, not per vector. A transcendental needed by several passes is computed once and kept
 in a stack buffer for the later ones (plan_kept). Tail lanes past n enter reductions as the reduction's identity.
+
+Modules: this one (the generator, its rowwise schedule), equation_general (the general
+schedule), equation_pipeline (the pipelined rows), equation_reduce (vector reductions).
 """
 from __future__ import annotations
-
-import math
 
 from llvmlite import ir
 
 from tpp.core import expr as X
-from tpp.core import mathlib
 from tpp.core.equation_spec import MAX_STAGE_ELEMENTS
 from tpp.core.errors import UnsupportedError
 from tpp.core.spec import mask_bytes
 
 from . import expr_llvm, irx
+from .equation_general import GeneralSchedule
+from .equation_pipeline import PIPE_STREAMS, Pipelining
+from .equation_reduce import IDENTITY as _IDENTITY
+from .equation_reduce import combine as _combine, horizontal as _horizontal, tree as _tree
 from .irx import F32, I32, const, i64, vec
 
-_IDENTITY = {"rsum": -0.0, "rmax": -math.inf, "rmin": math.inf}
 UNROLL = 4      # vectors per step of a rowwise reduction loop, each with its own accumulator
 KEPT_ELEMENTS = 1 << 14   # f32 a rowwise kernel may keep on its stack (see _Gen.plan_kept)
 ROW_GROUP = 2             # rows a rowwise kernel with short rows processes together (group)
@@ -83,8 +86,6 @@ FMA_SUMS = True           # sums of products accumulate with fma (_product)
 PIPELINE = True           # software-pipeline the rowwise passes over the rows (emit_pipelined)
 PIPE_OPS = 8              # ... when one of its passes does this many vector operations or more
 PIPE_UNROLL = 1           # accumulators per reduction in the pipelined loop
-PIPE_PREFETCH = 2         # the pipelined loop prefetches this many rows ahead of pass 1 (0: none)
-PIPE_STREAMS = 1          # ... when it reads this many blocks or fewer
 PIPE_LOCALITY = 3         # llvm.prefetch's locality for those
 
 
@@ -106,14 +107,6 @@ def _levels(order) -> dict:
     return level
 
 
-def _combine(b, op, x, y):
-    if op == "rsum":
-        return b.fadd(x, y)
-    name = "llvm.maximum" if op == "rmax" else "llvm.minimum"
-    fn = irx.intrinsic(b.module, name, x.type, [x.type, y.type])
-    return b.call(fn, [x, y], fastmath=("nsz",))
-
-
 def _product(r):
     """Whether the reduction r is a sum of products of blocks that its full vectors accumulate
     with one fma (acc + a * b rounded once: the multiplication on an FMA port instead of a
@@ -122,28 +115,7 @@ def _product(r):
     return FMA_SUMS and r.op == "rsum" and a.op == "mul" and a.shape == "block"
 
 
-def _tree(b, op, values):
-    """Combine accumulators pairwise."""
-    values = list(values)
-    while len(values) > 1:
-        values = [_combine(b, op, values[k], values[k + 1]) if k + 1 < len(values)
-                  else values[k] for k in range(0, len(values), 2)]
-    return values[0]
-
-
-def _horizontal(b, op, v):
-    """All lanes of v combined, splat back to every lane."""
-    w = v.type.count
-    width = w
-    while width > 1:
-        half = width // 2
-        hi = irx.shuffle(b, v, None, [half + (k % half) for k in range(w)])
-        v = _combine(b, op, v, hi)
-        width = half
-    return irx.shuffle(b, v, None, [0] * w)
-
-
-class _Gen:
+class _Gen(GeneralSchedule, Pipelining):
     def __init__(self, spec, target, symbol):
         self.spec = spec
         self.w = target.lanes
@@ -532,103 +504,6 @@ class _Gen:
         if self.down:       # the row-shaped outputs, the sums down the columns among them
             self.chunks(row_outputs)
 
-    def pipelined(self, whole):
-        """Whether the rowwise rows run pipelined (emit_pipelined): rows one at a time, more
-        rows than passes, a pass of PIPE_OPS vector operations or more (compute-bound: the
-        pipeline overlaps its ports and memory with the other passes; passes of a few
-        operations, LayerNorm's and RMSNorm's, measured no faster or slower, their rows' L1
-        sets crowded by the rows in flight), the pass-2 prefetch replaced by the pipeline's
-        own where planned (one input block), and every kept value read only by the pass
-        after the one computing it (the next row's pass overwrites it one row later)."""
-        if not self.heavy or whole < self.depth + 2:
-            return False
-        if self.prefetching and self.streams > PIPE_STREAMS:
-            return False
-        return all(last == first + 1 for first, last in self.kept_stages.values())
-
-    def heaviest_pass(self):
-        """The most vector operations per vector of block that one pass evaluates, a
-        transcendental counted by its expansion (softmax's exp pass: 16; LayerNorm's, RMSNorm's
-        passes: 4 or fewer)."""
-        most = 0
-        for _, inside in self.pass_nodes():
-            ops = 0
-            for nd in inside:
-                if nd.shape != "block" or nd.op in X.LEAVES or nd.op in X.REDUCTIONS:
-                    continue
-                if nd.op == "prim":
-                    body = mathlib.PRIMS[nd.attr[0]].expand(*nd.args)
-                    ops += sum(1 for e in X.topological([body], lambda e: e in nd.args)
-                               if e not in nd.args and e.op not in X.LEAVES
-                               and e.op not in ("const", "iconst"))
-                else:
-                    ops += 1
-            most = max(most, ops)
-        return most
-
-    def emit_pipelined(self, base, streaming, whole):
-        """The rowwise passes software-pipelined over the rows: one loop over a row's columns
-        runs pass 1 (reading it from memory) on row t, pass 2 on row t - 1, ..., the outputs
-        on row t - depth, so that the memory reads of one row overlap the computation on the
-        others, and passes that use different execution ports share them (softmax's maxima
-        beside its exp beside its outputs). Each row
-        gets the same operations as in the plain schedule; kept values of the outputs' pass
-        are read (older row) before the pass computing them writes (newer row) at each
-        column. The first and last `depth` rows fill and drain the pipeline, pass by pass."""
-        b, depth = self.b, self.depth
-        levels = {s: [r for r in self.reductions if self.level[r] == s and r not in self.down]
-                  for s in range(1, depth + 1)}
-        # prologue: row j completes its levels 1 .. depth - j
-        pending = {}
-        for j in range(depth):
-            row, memo = i64(j), dict(base)
-            for s in range(1, depth - j + 1):
-                self.row_values(row, memo)
-                self.rowwise_level([row], [memo], levels[s], s)
-            pending[depth - j] = memo        # k = t - row at t = depth: levels 1 .. k done
-
-        def pack(memo_of):
-            return [memo_of(k)[r] for k in range(1, depth + 1) for s in range(1, k + 1)
-                    for r in levels[s]]
-
-        def unpack(values):
-            memos, at = {}, 0
-            for k in range(1, depth + 1):
-                memo = dict(base)
-                for s in range(1, k + 1):
-                    for r in levels[s]:
-                        memo[r] = values[at]
-                        at += 1
-                memos[k] = memo
-            return memos
-
-        with irx.for_carry(b, whole, pack(lambda k: pending[k]), start=depth,
-                           name="row") as st:
-            t = st.index
-            memos = unpack(st.values)
-            memos[0] = dict(base)
-            rows = {k: b.sub(t, i64(k)) if k else t for k in range(depth + 1)}
-            for k in range(depth + 1):
-                self.row_values(rows[k], memos[k])
-            last, last_memo = rows[depth], memos[depth]
-            self.store_outputs(last_memo, last, i64(0), 1, ("col",))
-
-            def body(col, count):
-                self.store_outputs(dict(last_memo), last, col, count, ("block",), streaming,
-                                   depth + 1, 0, self.down)
-                if count is None and self.streams <= PIPE_STREAMS and PIPE_PREFETCH:
-                    self.prefetch(t, col, None, PIPE_PREFETCH)
-            # the passes of older rows first: each reads its kept values before a newer row's
-            # pass overwrites them
-            parts = [([rows[k]], [memos[k]], levels[k + 1], k + 1)
-                     for k in range(depth - 1, -1, -1)]
-            (r0, m0, red0, s0), rest = parts[0], parts[1:]
-            self.rowwise_level(r0, m0, red0, s0, rest, extra=body)
-            st.values = pack(lambda k: memos[k - 1])
-        done = unpack(st.values)
-        for k in range(depth, 0, -1):        # drain: row whole - k has its levels 1 .. k
-            self.rowwise_rows([i64(whole - k)], [done[k]], streaming, start=k + 1)
-
     def rowwise_rows(self, rows, memos, streaming, start=1):
         """The passes of the rowwise schedule over a group of rows, together, from reduction
         level `start` (the earlier ones are in memos)."""
@@ -647,77 +522,6 @@ class _Gen:
                 self.store_outputs(dict(memo), row, col, count, ("block",), streaming,
                                    self.depth + 1, g, self.down)
         self.chunks(body)
-
-    def emit_general(self, base, streaming):
-        b, w = self.b, self.w
-        self.allocate_results()
-        for level in range(1, self.depth + 1):
-            reds = [r for r in self.reductions if self.level[r] == level]
-            for r in reds:      # every stored value starts at the identity
-                length = {"row": -(-self.n // w) * w, "col": self.m, "scalar": 1}[r.shape]
-                ident = const(vec(F32, w), _IDENTITY[r.op])
-                p = self.result_ptr(r)
-                if r.shape == "col":
-                    with irx.for_range(b, length, name="init") as k:
-                        b.store(const(F32, _IDENTITY[r.op]), irx.element_ptr(b, p, k, F32))
-                else:
-                    with irx.for_range(b, max(length, 1), step=w, name="init") as k:
-                        irx.store_vec(b, ident, p, k)
-            by_row = [r for r in reds if r.args[0].shape in ("block", "col")]
-            by_col_only = [r for r in reds if r.args[0].shape in ("row", "scalar")]
-            if by_col_only:     # args constant down the rows: one pass over a row
-                self.chunks(lambda col, count: self.accumulate(by_col_only, dict(base), None,
-                                                               col, count))
-            if by_row:
-                with irx.for_range(b, self.m, name="row") as row:
-                    memo = dict(base)
-                    self.row_values(row, memo)
-                    per_row = [r for r in by_row if r.args[0].shape == "col"]
-                    if per_row:
-                        self.accumulate(per_row, memo, row, None, None)
-                    along = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 1]
-                    if along:       # along the row: register accumulators, then one store
-                        self.rowwise_level([row], [memo], along, level)
-                        for r in along:
-                            lane = b.extract_element(memo.pop(r), ir.Constant(I32, 0))
-                            b.store(lane, irx.element_ptr(b, self.result_ptr(r), row, F32))
-                    down = [r for r in by_row if r.args[0].shape == "block" and r.attr[0] == 0]
-                    if down:        # down the columns: n stored accumulators
-                        self.chunks(lambda col, count: self.accumulate(down, dict(memo), row,
-                                                                       col, count, level))
-            self.done.update(reds)
-        self.store_outputs(dict(base), i64(0), i64(0), 1, ("scalar",))
-        self.chunks(lambda col, count: self.store_outputs(dict(base), None, col, count, ("row",)))
-        with irx.for_range(b, self.m, name="row") as row:
-            memo = dict(base)
-            self.row_values(row, memo)
-            self.store_outputs(memo, row, i64(0), 1, ("col",))
-            self.chunks(lambda col, count: self.store_outputs(dict(memo), row, col, count,
-                                                              ("block",), streaming,
-                                                              self.depth + 1))
-
-    def accumulate(self, reds, memo, row, col, count, stage=None):
-        """Fold one vector of each reduction's argument into its stored result (general)."""
-        b, w = self.b, self.w
-        values = self.chunk_render([r.args[0] for r in reds], memo, row, col, count, stage)
-        for r, v in zip(reds, values):
-            p = self.result_ptr(r)
-            if r.shape == "row":            # axis 0 of a block: n values
-                v = self.masked(r, v, count)
-                irx.store_vec(b, _combine(b, r.op, irx.load_vec(b, p, col, F32, w), v), p, col)
-            elif r.attr[0] == 1:            # axis 1: one value per row (or one value)
-                v = _horizontal(b, r.op, self.masked(r, v, count))
-                offset = row if r.shape == "col" else i64(0)
-                slot = irx.element_ptr(b, p, offset, F32)
-                old = b.load(slot, typ=F32)
-                lane = b.extract_element(v, ir.Constant(I32, 0))
-                b.store(_combine(b, r.op, old, lane), slot)
-            else:                            # axis 0 of a column: one value
-                slot = irx.element_ptr(b, p, i64(0), F32)
-                old = b.load(slot, typ=F32)
-                lane = b.extract_element(v, ir.Constant(I32, 0))
-                b.store(_combine(b, r.op, old, lane), slot)
-
 
 # Whole-vector non-temporal stores: irx.with_streaming's stores are 16-byte pieces (numpy only
 # promises 16-byte alignment), four stores and three extracts per 64-byte vector; where every
