@@ -79,8 +79,6 @@ tests' bf16 tolerance (rtol = atol = 2e-2 of the largest value) of f32 torch.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import math
 import threading
 
@@ -96,6 +94,7 @@ from . import _host
 from . import attention_kernels as K
 from .attention_kernels import BK, BQ
 from .attention_inputs import _dtype, _mask, _mask_slabs, _numpy, _result
+from .attention_schedule import schedule
 
 MAX_UNROLL = 16          # heads a nest handles per call (its calls are unrolled per head)
 SCRATCH_PER_CALL = 4 << 20   # bytes of per-sequence scratch a call's heads may hold (see _Problem)
@@ -464,7 +463,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
                       lse=lse_p[c * hc:(c + 1) * hc])
         _run_chunk(pr, nest, arrays, c, masks, nq, threads)
 
-    _schedule(pr, run, scratch)
+    schedule(pr.chunks, pr.serial, run, scratch)
     if pr.sq % BQ:
         r = pr.sq % BQ
         out3[:, pr.sq - r:] = outt[:, :r]
@@ -485,48 +484,6 @@ def _run_chunk(pr, nest, arrays, c, masks, nq, threads):
         for i in range(nq):
             arrays["mk"] = masks(c, i)
             nest.run(arrays, threads, I=i, **sizes)
-
-
-def _schedule(pr, run, scratch):
-    """run(c, arrays, threads) for every chunk c, arrays a scratch() dict of the calling
-    thread. Few chunks: in order, each nest on the team (tpp.get_num_threads()). As many
-    chunks as threads or more: chunks spread over Python worker threads, each nest on one
-    thread (a nest call releases the GIL): one fork and join per operator call instead of a
-    parallel region per chunk, whose barriers cost a scheduler time slice each on a busy
-    machine."""
-    count = pr.chunks
-    team = 1 if pr.serial else tpp.get_num_threads()
-    if team == 1 or count < team or (count < 2 * team and count % team):
-        arrays = scratch()
-        for c in range(count):
-            run(c, arrays, 1 if pr.serial else None)
-        return
-    counter = itertools.count()
-
-    def worker():
-        arrays = scratch()
-        for c in iter(counter.__next__, None):
-            if c >= count:
-                return
-            run(c, arrays, 1)
-
-    futures = [_pool(team - 1).submit(worker) for _ in range(team - 1)]
-    worker()
-    for f in futures:
-        f.result()
-
-
-_POOLS: dict = {}
-
-
-def _pool(workers):
-    """A process-wide pool of `workers` threads (the operator's calling thread is the last)."""
-    pool = _POOLS.get(workers)
-    if pool is None:
-        _POOLS.clear()
-        pool = _POOLS[workers] = concurrent.futures.ThreadPoolExecutor(
-            workers, thread_name_prefix="tpp-attention")
-    return pool
 
 
 # ---------------------------------------------------------------- backward
@@ -599,7 +556,7 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
             arrays[name] = _chunk(arr, c, hc if name == "dqt" else hkc)
         _run_chunk(pr, nest, arrays, c, masks, nq, threads)
 
-    _schedule(pr, run, scratch)
+    schedule(pr.chunks, pr.serial, run, scratch)
     for x3, tail_arr, block in ((dq3, outs_t["dqt"], BQ), (dk3, outs_t["dkt"], BK),
                                 (dv3, outs_t["dvt"], BK)):
         r = x3.shape[1] % block
