@@ -335,3 +335,41 @@ def test_dropout_with_masks_and_causal(mask_kind):
                                  seed=3)
     for got, want in zip(grads, (qq.grad, kk.grad, vv.grad)):
         _close(got, want, scale=max(1.0, float(want.abs().max())))
+
+
+# ---------------------------------------------------------------- the plain forward's templates
+def test_plain_forward_template_checks_every_call_and_keeps_no_data():
+    """A plain forward (no mask, no dropout) reuses a validated template per (type, shapes,
+    dtypes, causal, scale): repeated calls give the uncached results, bad inputs of other
+    shapes or dtypes still raise ArgumentError after the template exists, the template keeps
+    none of the caller's arrays, and tpp.clear_caches() drops it."""
+    import gc
+    import weakref
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 70, 32), dtype=np.float32) for _ in range(3))
+    A._PLANS.clear()
+    first = ops.attention(q, k, v)
+    assert len(A._PLANS) == 1
+    again = ops.attention(q, k, v)                  # from the template
+    masked = ops.attention(q, k, v, mask=np.zeros((70, 70), np.float32))   # validated anew
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_allclose(masked, first, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ArgumentError, match="head dim"):
+        ops.attention(q, k[..., :16].copy(), v[..., :16].copy())
+    with pytest.raises(ArgumentError, match="f32 or bf16"):
+        ops.attention(q, k.astype(np.float64), v)
+    with pytest.raises(ArgumentError, match="causal"):
+        ops.attention(q, k, v, causal="yes")
+    tq = torch.from_numpy(q).requires_grad_()
+    tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+    import ops.torch as ops_torch
+    got = ops_torch.scaled_dot_product_attention(tq, tk, tv)     # requires grad: no template
+    torch.testing.assert_close(got.detach(), torch.from_numpy(first))
+    x = rng.standard_normal((1, 2, 70, 32), dtype=np.float32)
+    ref = weakref.ref(x)
+    ops.attention(x, k, v)
+    del x
+    gc.collect()
+    assert ref() is None
+    tpp.clear_caches()
+    assert not A._PLANS
