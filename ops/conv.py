@@ -53,7 +53,7 @@ Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images (host
 sum of dy as it is). At most 4 input channels per group (the stem, depthwise; host data):
 the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps).
 
-1x1 layers (no padding, groups 1, f32, host data; strided ones on their selected pixels,
+1x1 layers (no padding, groups 1, f32 or bf16, host data; strided ones on their selected pixels,
 ops.conv_subsample) skip all of the above (the
 forward given packed= only for images of at least 90% whole 16-pixel vectors, see
 conv_pointwise.eligible; else the packed weight is used): per
@@ -308,7 +308,7 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
 
 def _pointwise_layer(geo, *arrays_, forward=False) -> bool:
     """Whether ops.conv_pointwise serves this layer's forward (or backward): a 1x1 (any
-    stride), unpadded, ungrouped f32 layer on host data (numpy / CPU torch; device data
+    stride), unpadded, ungrouped f32 or bf16 layer on host data (numpy / CPU torch; device data
     takes the blocked path); see conv_pointwise.eligible."""
     return _pointwise.eligible(geo, forward) and all(_on_host(a) for a in arrays_)
 
@@ -411,8 +411,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         xb = _check_xb(xb, x, geo)
     if _pointwise_layer(geo, x, weight, dy):    # GEMMs on NCHW (packed and xb: unused)
         return (_pointwise.data_grad(dy, weight, geo) if need_dx else None,
-                _pointwise.weight_grad(dy, x, geo) if need_dw else None,
-                _pointwise.bias_grad(dy, geo) if need_db else None)
+                _pointwise.convert(_pointwise.weight_grad(dy, x, geo), dt) if need_dw else None,
+                _pointwise.convert(_pointwise.bias_grad(dy, geo), dt) if need_db else None)
     dx = dw = db = None
     # dy in the output layout (its blocks are the data gradient's input blocks)
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
@@ -462,11 +462,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
             *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +
               ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])), threads=1)
     if need_db and host:    # a row sum of dy as it is (NCHW), no blocked copy
-        db = _pointwise.bias_grad(dy, Geometry(1, geo.k, geo.p, geo.q, 1, 1, 1, (1, 1),
-                                               (0, 0, 0, 0), (1, 1), dt))
-        if dt != _dt.F32:
-            db, dbf = _host.empty((geo.k,), dt, x), db
-            _vector_nest(1, geo.k, geo.k, _dt.F32, dt, False)(dbf, db, threads=1)
+        db = _pointwise.convert(_pointwise.bias_grad(
+            dy, Geometry(1, geo.k, geo.p, geo.q, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), dt)), dt)
     elif need_db:
         bk = geo.bk
         kbt = geo.groups * -(-geo.kg // bk)

@@ -159,13 +159,13 @@ def test_strided_on_selected_pixels(case, stride, no_blocked):
 
 @pytest.mark.parametrize("kw", [dict(padding=1), dict(groups=3), dict(stride=2, padding=1)])
 def test_other_1x1_layers_take_the_blocked_path(kw):
-    """Padded, grouped (and bf16) 1x1 layers stay on the blocked nests."""
+    """Padded and grouped 1x1 layers stay on the blocked nests (bf16 ones do not)."""
     x, w0, b, _ = _data((2, 6, 9, 7, 7, True), seed=3)
     wt = w0[:, : 6 // kw.get("groups", 1)].contiguous()
     assert not conv.serves_pointwise(x, wt, **kw)
     torch.testing.assert_close(tc.conv2d(x, wt, b, **kw), F.conv2d(x, wt, b, **kw),
                                atol=1e-4, rtol=1e-4)
-    assert not conv.serves_pointwise(x.bfloat16(), w0.bfloat16(), forward=False)
+    assert conv.serves_pointwise(x.bfloat16(), w0.bfloat16(), forward=False)
     assert conv.serves_pointwise(x, w0, forward=False)
 
 
@@ -183,3 +183,40 @@ def test_forward_path_by_image_size():
         mod.bias.copy_(b)
         torch.testing.assert_close(mod(x), F.conv2d(x, w, b), atol=1e-4, rtol=1e-4)
     assert mod._tpp_packs.forward is not None      # the module's packed weight, used
+
+
+def _close_bf16(mine, theirs):
+    """A bf16 result against the f32 reference of the same (bf16) inputs: within a few bf16
+    roundings of the result's scale."""
+    assert mine.dtype == torch.bfloat16
+    scale = max(theirs.abs().max().item(), 1e-3)
+    torch.testing.assert_close(mine.float(), theirs, atol=1e-2 * scale, rtol=1e-2)
+
+
+@pytest.mark.parametrize("case, stride", [(c, 1) for c in CASES] + [
+    ((2, 70, 130, 9, 7, True), 2), ((1, 130, 20, 11, 10, True), 3)], ids=str)
+def test_bf16_forward_and_gradients(case, stride, no_blocked):
+    """bf16 layers on the GEMM path too (x or dy packed in VNNI pairs per pixel block, odd
+    channel and pixel counts padded with zero pairs): forward, and dx, dw, db in bf16."""
+    x, wt, b, dy = _data(case)
+    x, wt = x.bfloat16(), wt.bfloat16()
+    b = b.bfloat16() if b is not None else None
+    leaves = [t for t in (x, wt, b) if t is not None]
+    ref_in = [t.float().requires_grad_() for t in leaves]
+    my_in = [t.clone().requires_grad_() for t in leaves]
+    ref = F.conv2d(*ref_in, stride=stride)
+    y = tc.conv2d(*my_in, stride=stride)
+    _close_bf16(y, ref.detach())
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for mine, theirs in zip(torch.autograd.grad(y, my_in, dy),
+                            torch.autograd.grad(ref, ref_in, dy.float())):
+        _close_bf16(mine, theirs)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_bf16_bias_activation(activation, no_blocked):
+    x, wt, b, _ = _data((3, 17, 33, 7, 5, True), seed=1)
+    x, wt, b = x.bfloat16(), wt.bfloat16(), b.bfloat16()
+    y = ops.conv2d(x, wt, b, activation=activation)
+    ref = F.conv2d(x.float(), wt.float(), b.float())
+    _close_bf16(y, torch.relu(ref) if activation == "relu" else F.gelu(ref))
