@@ -157,19 +157,21 @@ def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
 
 @functools.lru_cache(maxsize=256)
 def _dw_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype):
-    """dwt (groups, kb*bk, r*s, cb*bc) f32 += sum over n, p, q of dy^T x (dwt zeroed)."""
+    """dwt (groups, kb*bk, r*s, cb*bc) f32 = sum over n, p, q of dy^T x (every block written:
+    the first image's BRGEMM with beta 0, so dwt needs no zeroing; N >= 1)."""
     n = tpp.size("N")
     nest = tpp.LoopNest("ABCDEf", a=groups, b=kb, c=cb, d=r, e=s, f=n)
     g, k, b, c, d, e = nest.vars
     xb = nest.tensor("xb", (n, groups * cb, hp, wp, bc), dtype)
     dyb = nest.tensor("dyb", (n, groups * kb, p, q, bk), dtype)
     dwt = nest.tensor("dwt", (groups, kb * bk, r * s, cb * bc), _dt.F32)
-    spec = tpp.make_brgemm(bk, bc, q, lda=bk, ldb=sw * bc, ldc=r * s * cb * bc,
-                           dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32, beta=1,
-                           trans_a=True)
-    nest.call(spec, dyb[e, g * kb + k, 0, 0], xb[e, g * cb + b, c * dh, d * dw],
-              dwt[g, k * bk, c * s + d, b * bc],
-              count=p, stride_a=q * bk, stride_b=sh * wp * bc)
+    for beta, when in ((0, e == 0), (1, e > 0)):
+        spec = tpp.make_brgemm(bk, bc, q, lda=bk, ldb=sw * bc, ldc=r * s * cb * bc,
+                               dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32, beta=beta,
+                               trans_a=True)
+        nest.call(spec, dyb[e, g * kb + k, 0, 0], xb[e, g * cb + b, c * dh, d * dw],
+                  dwt[g, k * bk, c * s + d, b * bc],
+                  count=p, stride_a=q * bk, stride_b=sh * wp * bc, when=when)
     return nest.compile()
 
 
@@ -451,7 +453,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         elif n and taps:
             dwt = _taps.weight_grad(xb, dyb0, geo, x)
         else:
-            dwt = _host.zeros((geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
+            dwt = (_host.empty if n else _host.zeros)(
+                (geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
         if n and not taps and dw is None:
             _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0],
                      geo.stride[1], geo.dilation[0], geo.dilation[1], geo.p, geo.q,
@@ -460,7 +463,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         dw = _host.empty(tuple(weight.shape), dt, x)
         _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
             *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +
-              ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])), threads=1)
+              ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])),
+            threads=_threads(64 * _size(dwt)))
     if need_db and host:    # a row sum of dy as it is (NCHW), no blocked copy
         db = _pointwise.convert(_pointwise.bias_grad(
             dy, Geometry(1, geo.k, geo.p, geo.q, 1, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), dt)), dt)
