@@ -88,7 +88,7 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
     BLOCK, PIXELS, _SERIAL_FLOPS, Geometry, block, _pair, _padding, geometry,
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
     _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest, _vector_nest, to_blocked,
-    from_blocked, pack_weight, _pad_bias, _size
+    from_blocked, pack_weight, pack_transposed, transpose_packed, _pad_bias, _size
 )
 
 
@@ -289,8 +289,8 @@ def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
 
 
 def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed):
-    """(y, xb): conv2d's output and the BlockedActivation of x it read (a backward reuses
-    it)."""
+    """(y, xb, wb): conv2d's output, the BlockedActivation of x and the packed weight it read
+    (a backward reuses them; both None on ops.conv_pointwise's GEMMs)."""
     x, weight, bias = _inputs(x, weight, bias)
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -302,10 +302,10 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
     # GEMMs (packed unused), but a packed weight is used for images that fill the GEMM's
     # vectors badly (eligible): without one, packing costs more than the blocked forward saves
     if _pointwise_layer(geo, x, weight, bias, forward=packed is not None):
-        return _pointwise.forward(x, weight, bias, activation, geo), None
+        return _pointwise.forward(x, weight, bias, activation, geo), None, None
     wb = packed or pack_weight(weight, geo.groups, dt)
     xb = to_blocked(x, geo)
-    return _forward(xb.data, wb.data, bias, geo, activation, x), xb
+    return _forward(xb.data, wb.data, bias, geo, activation, x), xb, wb
 
 
 def _pointwise_layer(geo, *arrays_, forward=False) -> bool:

@@ -319,6 +319,74 @@ def from_blocked(yb, channels, groups, bk, p, q, out, origin=(0, 0)):
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _turn_nest(groups, kb, cb, r, s, bc, bk, dtype):
+    """wbt (groups*cb, kb, r, s, bk, bc) = every block of wb (groups*kb, cb, r, s, bc, bk)
+    transposed, its tap flipped: the data gradient's packed weight from the forward's. bf16
+    blocks are VNNI pairs on both sides: each is unpacked (vnni2_inv) into `flat`, transposed
+    into `turned` and packed again (vnni2), block by block in cache."""
+    nest = tpp.LoopNest("ABCDE", a=groups, b=kb, c=cb, d=r, e=s)
+    g, k, c, i, j = nest.vars
+    vnni = dtype == _dt.BF16
+    wb = nest.tensor("wb", (groups * kb, cb, r, s) + ((bc // 2, 2 * bk) if vnni else (bc, bk)),
+                     dtype)
+    wbt = nest.tensor("wbt", (groups * cb, kb, r, s) + ((bk // 2, 2 * bc) if vnni else
+                                                        (bk, bc)), dtype)
+    src, dst = wb[g * kb + k, c, i, j], wbt[g * cb + c, k, r - 1 - i, s - 1 - j]
+    if not vnni:
+        nest.call(tpp.make_unary("transpose", bc, bk, dtype_in=dtype), src, dst)
+        return nest.compile()
+    flat = nest.tensor("flat", (groups * kb, cb, r, s, bc, bk), dtype)
+    turned = nest.tensor("turned", (groups * kb, cb, r, s, bk, bc), dtype)
+    at = (g * kb + k, c, i, j)
+    nest.call(tpp.make_unary("vnni2_inv", bc, bk, dtype_in=dtype), src, flat[at])
+    nest.call(tpp.make_unary("transpose", bc, bk, dtype_in=dtype), flat[at], turned[at])
+    nest.call(tpp.make_unary("vnni2", bk, bc, dtype_in=dtype), turned[at], dst)
+    return nest.compile()
+
+
+def transpose_packed(wb: BlockedWeight) -> BlockedWeight:
+    """The data gradient's packed weight (pack_weight(w, ..., transposed=True)) made from the
+    forward's packed weight of the same w: one transpose per block (bf16: unpack, transpose,
+    repack), where packing w afresh reads it with strides of a whole filter (3x3 512 f32, 2
+    cores: ~0.3 against ~2-3 ms)."""
+    if wb.transposed:
+        raise ArgumentError("transpose_packed: expected a forward packed weight")
+    k, cg, r, s = wb.shape
+    dtype = _host.dtype_of(wb.data, "packed")
+    kg = k // wb.groups
+    bc, bk = block(cg, dtype), block(kg, dtype)
+    cb, kb = -(-cg // bc), -(-kg // bk)
+    shape = (wb.groups * cb, kb, r, s) + ((bk // 2, 2 * bc) if dtype == _dt.BF16 else (bk, bc))
+    wbt = _host.empty(shape, dtype, wb.data)
+    args = [wb.data, wbt]
+    if dtype == _dt.BF16:
+        tiles = (wb.groups * kb, cb, r, s)
+        if _host.on_device(wb.data):
+            args += [_host.empty(tiles + shape, dtype, wb.data)
+                     for shape in ((bc, bk), (bk, bc))]
+        else:
+            args += [_host.scratch(name, tiles + shape, dtype) for name, shape in
+                     (("conv_turn_flat", (bc, bk)), ("conv_turn_turned", (bk, bc)))]
+    _turn_nest(wb.groups, kb, cb, r, s, bc, bk, dtype)(
+        *args, threads=_threads(64 * k * cg * r * s))
+    return BlockedWeight(wbt, wb.shape, wb.groups, True)
+
+
+# dtypes whose data-gradient weight is made from the forward's packed weight when there is one
+# (transpose_packed); bf16 packs w afresh: its blocks need unpacking and repacking, and the
+# two ways ran level (3x3 512: f32 ~0.7 against ~1.5 ms, bf16 ~0.35 against ~0.3 ms, 2 cores)
+TURN_DTYPES = (_dt.F32,)
+
+
+def pack_transposed(w, groups, dtype, forward=None) -> BlockedWeight:
+    """pack_weight(w, groups, dtype, transposed=True), from `forward` (w's forward packed
+    weight) where that is faster (TURN_DTYPES)."""
+    if forward is not None and dtype in TURN_DTYPES:
+        return transpose_packed(forward)
+    return pack_weight(w, groups, dtype, transposed=True)
+
+
 def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
     """w (K, C/groups, R, S) packed for the forward nest ([G*Kb][Cb][R][S][bc][bk]) or, with
     transposed=True, flipped and transposed for the data gradient ([G*Cb][Kb][R][S][bk][bc])."""

@@ -86,13 +86,15 @@ class Conv2dFunction(torch.autograd.Function):
         if packs is not None and packs.forward is None:
             packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
                 weight, "weight"))
-        y, xb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding, dilation,
-                           groups, None, None if packs is None else packs.forward)
+        y, xb, wb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding,
+                               dilation, groups, None, None if packs is None else packs.forward)
         ctx.save_for_backward(x, weight, bias)
         ctx.hyper = (stride, padding, dilation, groups)
         ctx.packs = packs
-        # the blocked x the forward made: the weight gradient reads it (no second conversion)
+        # the blocked x the forward made: the weight gradient reads it (no second conversion);
+        # its packed weight: the data gradient's is made from it (conv.pack_transposed)
         ctx.xb = xb if ctx.needs_input_grad[1] else None
+        ctx.wb = wb if ctx.needs_input_grad[0] else None
         return y
 
     @staticmethod
@@ -100,17 +102,20 @@ class Conv2dFunction(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors       # (also torch's in-place version check)
         stride, padding, dilation, groups = ctx.hyper
         need = ctx.needs_input_grad[:3]
-        xb, packs, ctx.xb = ctx.xb, ctx.packs, None
+        xb, wb, packs, ctx.xb, ctx.wb = ctx.xb, ctx.wb, ctx.packs, None, None
         if torch.is_grad_enabled():     # create_graph=True: differentiable torch ops
             return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy),
                     None, None, None, None, None)
         packed = None
-        if need[0] and packs is not None and packs.key == _key(weight) and not \
-                _c.serves_pointwise(x, weight, *ctx.hyper, forward=False):
-            if packs.transposed is None:
-                packs.transposed = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
-                    weight, "weight"), transposed=True)
-            packed = packs.transposed
+        if need[0] and not _c.serves_pointwise(x, weight, *ctx.hyper, forward=False):
+            cached = packs is not None and packs.key == _key(weight)
+            if cached and packs.transposed is not None:
+                packed = packs.transposed
+            else:
+                packed = _c.pack_transposed(weight.detach(), groups, _c._host.dtype_of(
+                    weight, "weight"), wb)
+                if cached:
+                    packs.transposed = packed
         dx, dw, db = _c.conv2d_backward(
             dy.contiguous(), x.detach(), weight.detach(), stride=stride, padding=padding,
             dilation=dilation, groups=groups,

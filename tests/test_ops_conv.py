@@ -202,9 +202,11 @@ def test_module_weight_cache(monkeypatch):
     ref = torch.nn.Conv2d(6, 8, 3, stride=2, padding=1)
     ref.load_state_dict(mine.state_dict())
     calls = []
-    real = conv.pack_weight
+    real, real_t = conv.pack_weight, conv.pack_transposed
     monkeypatch.setattr(conv, "pack_weight",
                         lambda *a, **k: calls.append(k.get("transposed", False)) or real(*a, **k))
+    monkeypatch.setattr(conv, "pack_transposed",
+                        lambda *a, **k: calls.append(True) or real_t(*a, **k))
     x = torch.randn(2, 6, 9, 9)
     for _ in range(3):
         torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
@@ -301,3 +303,27 @@ def test_bench_conv_tiny(tmp_path, capsys, monkeypatch):
             assert rec["unit"] == "ms" and rec["median"] > 0 and rec["extra"]["gflops"] > 0
             assert "torch" in rec["ratios"] and (f"net {kind} {dtype}", "torch") in net
         assert net[f"net fwd {dtype}", "tpp"]["extra"]["verified"] is True
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("k, c, r, s, groups", [
+    (10, 6, 3, 3, 1),        # channels short of a block
+    (130, 70, 3, 3, 1),      # channels past one block, tails
+    (20, 12, 3, 1, 2),       # grouped, rectangular
+    (7, 3, 7, 7, 1),         # the stem
+    (6, 6, 3, 3, 6),         # depthwise
+])
+def test_transposed_pack_from_forward_pack(dtype, k, c, r, s, groups):
+    """The data gradient's packed weight made from the forward's (one transposed, flipped
+    block each; bf16 unpacked and repacked) equals packing the weight afresh, bit for bit."""
+    from ops import conv
+    dt = tpp.F32 if dtype == "f32" else tpp.BF16
+    w = torch.randn(k, c // groups, r, s, generator=torch.Generator().manual_seed(k))
+    w = w.bfloat16() if dtype == "bf16" else w
+    want = conv.pack_weight(w, groups, dt, transposed=True)
+    got = conv.transpose_packed(conv.pack_weight(w, groups, dt))
+    assert got.transposed and got.shape == want.shape and got.groups == groups
+    assert torch.equal(got.data.view(torch.int16) if dtype == "bf16" else got.data,
+                       want.data.view(torch.int16) if dtype == "bf16" else want.data)
+    with pytest.raises(ArgumentError):
+        conv.transpose_packed(want)
