@@ -191,6 +191,24 @@ def _block_cases(inner, nb, total, bsize):
     return cases
 
 
+def nchw_output(nest, kg, groups, p, q, dtype):
+    """The NCHW output tensor y (N, groups*kg, p*q) of a forward nest that writes its finished
+    tiles straight into it (write_nchw) instead of leaving the blocked output to
+    from_blocked: each tile is transposed while it is in cache, and the blocked output is
+    never read back from memory."""
+    return nest.tensor("y", (tpp.size("N"), groups * kg, p * q), dtype)
+
+
+def write_nchw(nest, y, tile, at, pixels, kvar, kb, kg, bk, when):
+    """The calls moving a finished tile (pixels x bk, row-major: channels of output-channel
+    block kvar of kb, of kg per group) into y at `at` (y's element of the tile's first channel
+    and pixel): one transpose, leaving out a last block's padded channels."""
+    for cols, guard in _block_cases(kvar, kb, kg, bk):
+        spec = tpp.make_unary("transpose", pixels, cols, ldi=bk, ldo=y.tensor.shape[2],
+                              dtype_in=y.tensor.dtype)
+        nest.call(spec, tile, at, when=tuple(when) + guard)
+
+
 # ------------------------------------------------------------------ conversion nests
 @functools.lru_cache(maxsize=256)
 def _to_blocked_nest(groups, cg, h, w, bc, hb, wb, oh, ow, sh, sw, dtype):
@@ -269,6 +287,23 @@ def _weight_blocks_nest(groups, rowsp, colsp, r, s, brow, bcol, flip, dtype):
     op = "vnni2" if vnni else "identity"
     spec = tpp.make_unary(op, brow, bcol, ldi=r * s * colsp, dtype_in=dtype)
     nest.call(spec, wt[g, b * brow, tap, j * bcol], wb[g * cb + j, b, c, d])
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _dw_out_nest(groups, kg, cg, kgp, cgp, rs, dtype):
+    """dw (groups*kg, cg, rs) from dwt (groups, kgp, rs, cgp) f32 (rounded for bf16)."""
+    nest = tpp.LoopNest("AB", a=groups, b=kg)
+    a, b = nest.vars
+    dwt = nest.tensor("dwt", (groups, kgp, rs, cgp), _dt.F32)
+    dw = nest.tensor("dw", (groups * kg, cg, rs), dtype)
+    src = dwt
+    if dtype != _dt.F32:
+        src = nest.tensor("tmp", (groups, kgp, rs, cgp), dtype)
+        nest.call(tpp.make_unary("identity", rs, cgp, dtype_in=_dt.F32, dtype_out=dtype),
+                  dwt[a, b], src[a, b])
+    spec = tpp.make_unary("transpose", rs, cg, ldi=cgp, ldo=rs, dtype_in=dtype)
+    nest.call(spec, src[a, b], dw[a * kg + b])
     return nest.compile()
 
 

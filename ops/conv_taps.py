@@ -30,7 +30,7 @@ from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
 from . import _host
-from .conv_layout import PIXELS, _size, _threads
+from .conv_layout import PIXELS, _size, _threads, nchw_output, write_nchw
 
 DW_COLS = 32       # output channels per weight-gradient tile (2 tiles of a 64-channel block:
                    # twice the parallel units of R kernel rows; measured as fast as 64)
@@ -77,9 +77,10 @@ def expand(xb, bc, hp, wp, s, sw, q, dtype):
 
 @functools.lru_cache(maxsize=256)
 def conv_nest(groups, kb, bc, bk, hp, r, s, sh, dh, p, q, dtype, has_bias, activation,
-              frame=(0, 0, 0, 0)):
+              frame=(0, 0, 0, 0), kg=None):
     """yb (N, groups*kb, p, q, bk) (inside a frame, like ops.conv._conv_nest) from xs (N,
-    groups, hp, q, s*bc) and wb (groups*kb, 1, r, s, bc, bk)."""
+    groups, hp, q, s*bc) and wb (groups*kb, 1, r, s, bc, bk); with kg, the tiles also go to
+    the NCHW y (N, groups*kg, p*q) (conv_layout.write_nchw)."""
     n = tpp.size("N")
     vnni = dtype == _dt.BF16
     bq = min(q, PIXELS)
@@ -94,6 +95,7 @@ def conv_nest(groups, kb, bc, bk, hp, r, s, sh, dh, p, q, dtype, has_bias, activ
     ft, fb, fl, fr = frame
     yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
     acc = nest.tensor("acc", (n, groups * kb, p, q, bk), _dt.F32) if vnni else yb
+    y = None if kg is None else nchw_output(nest, kg, groups, p, q, dtype)
     ah, aw = (0, 0) if vnni else (ft, fl)
     cases = ([(bq, (d < full,) if tail else ())] if full else []) + \
         ([(tail, (d == full,))] if tail else [])
@@ -108,6 +110,9 @@ def conv_nest(groups, kb, bc, bk, hp, r, s, sh, dh, p, q, dtype, has_bias, activ
         if vnni:
             spec = tpp.make_unary("identity", pixels, bk, dtype_in=_dt.F32, dtype_out=dtype)
             nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=when)
+        if y is not None:
+            write_nchw(nest, y, yb[a, b, ft + c, fl + d * bq], y[a, g * kg + k * bk,
+                       c * q + d * bq], pixels, k, kb, kg, bk, when)
     return nest.compile()
 
 
