@@ -193,14 +193,27 @@ def small(geo) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _frame_nest(groups, kg, kgp, p, q, hd, wd, ft, fl, dtype):
-    """dyf (N, groups*kgp, hd, wd) with dy (N, groups*kg, p, q) at (ft, fl) (dyf zeroed)."""
+    """dyf (N, groups*kgp, hd, wd) with dy (N, groups*kg, p, q) at (ft, fl) (dyf zeroed); bf16:
+    in VNNI pairs of channels, dyf (N, groups*kgp/2, hd, 2*wd), each image row of channels
+    (k, k+1) interleaved by a vnni2 TPP (an odd kg's last pair padded with zero)."""
     n = tpp.size("N")
-    nest = tpp.LoopNest("ABC", a=n, b=groups, c=kg)
-    a, g, k = nest.vars
+    if dtype != _dt.BF16:
+        nest = tpp.LoopNest("ABC", a=n, b=groups, c=kg)
+        a, g, k = nest.vars
+        dy = nest.tensor("dy", (n, groups * kg, p, q), dtype)
+        dyf = nest.tensor("dyf", (n, groups * kgp, hd, wd), dtype)
+        spec = tpp.make_unary("identity", p, q, ldi=q, ldo=wd, dtype_in=dtype)
+        nest.call(spec, dy[a, g * kg + k], dyf[a, g * kgp + k, ft, fl])
+        return nest.compile()
+    pairs, odd = divmod(kg, 2)
+    nest = tpp.LoopNest("ABCD", a=n, b=groups, c=pairs + odd, d=p)
+    a, g, k, row = nest.vars
     dy = nest.tensor("dy", (n, groups * kg, p, q), dtype)
-    dyf = nest.tensor("dyf", (n, groups * kgp, hd, wd), dtype)
-    spec = tpp.make_unary("identity", p, q, ldi=q, ldo=wd, dtype_in=dtype)
-    nest.call(spec, dy[a, g * kg + k], dyf[a, g * kgp + k, ft, fl])
+    dyf = nest.tensor("dyf", (n, groups * kgp // 2, hd, 2 * wd), dtype)
+    for channels, when in ((2, (k < pairs,)), (1, (k == pairs,)))[:1 + odd]:
+        spec = tpp.make_unary("vnni2", channels, q, ldi=p * q, dtype_in=dtype)
+        nest.call(spec, dy[a, g * kg + 2 * k, row], dyf[a, g * (kgp // 2) + k, ft + row, 2 * fl],
+                  when=when)
     return nest.compile()
 
 
@@ -215,7 +228,9 @@ def _small_nest(groups, cg, kb, bc, bk, r, s, hd, wd, sh, sw, rows, cols, ft, fl
     bq = min(wmax, PIXELS)
     nest = tpp.LoopNest("ABCDe", a=n, b=groups, c=sh, d=hmax, e=-(-wmax // bq))
     an, g, ph, e, f = nest.vars
-    dyf = nest.tensor("dyf", (n, groups * kb * bk, hd, wd), dtype)
+    # bf16: dyf in VNNI pairs of channels (_frame_nest), for vdpbf16ps
+    dyf = nest.tensor("dyf", (n, groups * kb * bk // 2, hd, 2 * wd) if vnni else
+                      (n, groups * kb * bk, hd, wd), dtype)
     wt = nest.tensor("wt", (groups, bc, r * s, kb * bk), dtype)
     dxph = nest.tensor("dxph", (n, groups * cg, sh, sw, hmax, wmax), dtype)
     acc = nest.tensor("acc", (n, groups * cg, sh, sw, hmax, wmax), _dt.F32) if vnni else dxph
@@ -236,14 +251,14 @@ def _small_nest(groups, cg, kb, bc, bk, r, s, hd, wd, sh, sw, rows, cols, ft, fl
                     continue
                 for t, (i, oi, j, oj) in enumerate(taps):
                     spec = tpp.make_brgemm(
-                        cg, pixels, bk, lda=r * s * kb * bk, ldb=hd * wd, ldc=plane,
-                        dtype_a=dtype,
-                        dtype_b=dtype, dtype_c=_dt.F32 if vnni else dtype,
-                        beta=0 if t == 0 else 1)
-                    nest.call(spec, wt[g, 0, i * s + j, 0], dyf[an, g * kb * bk, e + oi + ft,
-                                                                f * bq + oj + fl],
-                              acc[out], count=kb, stride_a=bk,
-                              stride_b=bk * hd * wd, when=when)
+                        cg, pixels, bk, lda=r * s * kb * bk, ldb=(2 if vnni else 1) * hd * wd,
+                        ldc=plane, dtype_a=dtype, dtype_b=dtype,
+                        dtype_c=_dt.F32 if vnni else dtype, beta=0 if t == 0 else 1,
+                        vnni_b=vnni)
+                    at = (dyf[an, g * (kb * bk // 2), e + oi + ft, 2 * (f * bq + oj + fl)]
+                          if vnni else dyf[an, g * kb * bk, e + oi + ft, f * bq + oj + fl])
+                    nest.call(spec, wt[g, 0, i * s + j, 0], at, acc[out], count=kb,
+                              stride_a=bk, stride_b=bk * hd * wd, when=when)
                 if vnni:
                     spec = tpp.make_unary("identity", cg, pixels, ldi=plane, ldo=plane,
                                           dtype_in=_dt.F32, dtype_out=dtype)
@@ -298,7 +313,8 @@ def data_grad_small(dy, w, geo: Geometry, like):
     wt = _host.zeros((geo.groups, bc, rs, kb * bk), dt, like)
     _weight_rows_nest(geo.k, geo.cg, rs, geo.groups, kb * bk, bc, False, dt)(
         _host.reshape(w, (geo.k, geo.cg, rs)), wt, threads=1)
-    dyf = _host.zeros((n, geo.groups * kb * bk, hd, wd), dt, like)
+    dyf = _host.zeros((n, geo.groups * kb * bk // 2, hd, 2 * wd) if dt == _dt.BF16 else
+                      (n, geo.groups * kb * bk, hd, wd), dt, like)
     _frame_nest(geo.groups, geo.kg, kb * bk, geo.p, geo.q, hd, wd, ft, fl, dt)(
         dy, dyf, threads=_threads(64 * _size(dyf)))
     hmax = max(cnt for _, cnt, _ in rows)
