@@ -442,7 +442,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
                      origin=(geo.pad[0], geo.pad[2]))
     host = _on_host(x)
     taps = host and _taps.serves(geo)   # few input channels (the stem): ops.conv_taps
-    if need_dw or (need_db and not host):
+    dot_taps = taps and _taps.dot_dy(geo)     # whose bf16 weight gradient reads dy as it is
+    if (need_dw and not dot_taps) or (need_db and not host):
         dyb0 = to_blocked(dy, dgeo).data
     if need_dw:
         xb = to_blocked(x, geo).data if xb is None else xb.data
@@ -451,7 +452,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         if _dwv.serves(geo, host) and not taps:     # bf16: the dot instruction
             dw = _dwv.weight_grad(xb, dyb0, geo, n, x)
         elif n and taps:
-            dwt = _taps.weight_grad(xb, dyb0, geo, x)
+            dwt = _taps.weight_grad(xb, None if dot_taps else dyb0, geo, x, dy)
         else:
             dwt = (_host.empty if n else _host.zeros)(
                 (geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
