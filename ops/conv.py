@@ -361,16 +361,19 @@ def _forward(xb, wb, bias, geo, activation, like, frame=None):
     if bias is not None:
         args.append(_pad_bias(bias, geo.groups, geo.kg, bk, like))
     args.append(yb)
-    if geo.dtype == _dt.BF16:
+    taps = _taps.eligible(cb, bc, geo.s, geo.dilation[1]) and _on_host(like)    # the stem
+    # bf16 tiles summed over several BRGEMM calls go through an f32 accumulator (the taps
+    # nest's one call per tile only with a bias, see conv_taps.conv_nest)
+    if geo.dtype == _dt.BF16 and not (taps and bias is None):
         args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
     fr = tuple(frame or (0, 0, 0, 0))
     # an NCHW output is written by the nest itself, tile by tile (conv_layout.write_nchw)
     kg = None if frame is not None or not NCHW_IN_NEST else geo.kg
-    if _taps.eligible(cb, bc, geo.s, geo.dilation[1]) and _on_host(like):   # the stem
-        args[0] = _taps.expand(xb, bc, geo.hp, geo.wp, geo.s, geo.stride[1], q, geo.dtype)
+    if taps:
+        args[0], args[1], depth = _taps.operands(xb, wb, geo, q)
         nest = _taps.conv_nest(geo.groups, kb, bc, bk, geo.hp, geo.r, geo.s, geo.stride[0],
                                geo.dilation[0], p, q, geo.dtype, bias is not None,
-                               activation, fr, kg)
+                               activation, fr, kg, depth)
     else:
         nest, args = _run_conv(
             args, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0], geo.stride[1], p, q, fr,

@@ -104,3 +104,27 @@ def test_new_batch_compiles_nothing(c):
         if n == 0:
             assert not dw.any() and not db.any()
     assert tpp.cache_info()["compiled"] == before
+
+
+@pytest.mark.parametrize("c, k, r, groups", [(3, 16, 7, 1), (8, 8, 3, 8), (5, 10, 5, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_unpadded_taps_forward(c, k, r, groups, bias, monkeypatch):
+    """bf16 layers with an odd channel count per group (the stem's 3, depthwise 1) pair the
+    kernel row's (tap, channel) values instead of padding each tap's channels to an even
+    block: the same result as the padded form, the bias and output frame alike."""
+    g = torch.Generator().manual_seed(c + k)
+    x = torch.randn(2, c, 13, 11, generator=g).bfloat16()
+    wt = (torch.randn(k, c // groups, r, r, generator=g) * 0.3).bfloat16()
+    b = torch.randn(k, generator=g).bfloat16() if bias else None
+    kw = dict(stride=2, padding=r // 2, groups=groups, activation="relu")
+    geo = geometry(tuple(x.shape), tuple(wt.shape), _dt.BF16, 2, r // 2, 1, groups)
+    assert conv_taps.unpadded_depth(geo) == r * (c // groups) + (r * (c // groups)) % 2
+    assert conv_taps.unpadded_depth(geometry((1, 4, 8, 8), (4, 4, 3, 3), _dt.BF16, 1, 1, 1,
+                                             1)) is None        # even channels: no padding
+    y = ops.conv2d(x, wt, b, **kw)
+    ref = F.relu(F.conv2d(x.float(), wt.float(), None if b is None else b.float(), 2, r // 2,
+                          1, groups))
+    torch.testing.assert_close(y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+    monkeypatch.setattr(conv_taps, "unpadded_depth", lambda geo: None)
+    torch.testing.assert_close(y.float(), ops.conv2d(x, wt, b, **kw).float(),
+                               atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
