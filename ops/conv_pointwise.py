@@ -138,7 +138,8 @@ def _vnni_gemm_nest(c, k, hw, has_bias, activation, transposed):
     padded with zero), and every output-channel block of that pixel block then reads it while
     it is in cache: the parallel loops are (image, pixel block), the channel blocks run inside.
     The bias of a bf16 layer is bf16 (an exact f32 copy), so replicating it into the bf16
-    output block and accumulating onto it (beta 1) rounds once, like an f32 bias."""
+    output block and accumulating onto it (beta 1) rounds once, as the blocked path does; an
+    f32 bias given with bf16 data is rounded to bf16 first (torch rejects that mix)."""
     n = tpp.size("N")
     bf16 = _dt.BF16
     kcases, nkb = blocked.split(k, BK)
