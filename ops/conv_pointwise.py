@@ -102,15 +102,21 @@ def _gemm_nest(c, k, hw, dtype, has_bias, activation, transposed):
     qcases, nqb = blocked.split(hw, BQ)
     nest = tpp.LoopNest("ABC", a=n, b=nkb, c=nqb)
     a, b, q = nest.vars
-    x = nest.tensor("x", (n, c, hw), dtype)
-    w = nest.tensor("w", (c, k) if transposed else (k, c), dtype)
-    bias = nest.tensor("bias", (k,), _dt.F32) if has_bias else None
-    y = nest.tensor("y", (n, k, hw), dtype)
+    x, w, bias, y = _operands(nest, n, c, k, hw, dtype, has_bias, transposed)
     for rows, kg in kcases:
         for cols, qg in qcases:
             _block(nest, rows, cols, c, k, hw, dtype, has_bias, activation, transposed,
                    w, bias, x[a, 0, q * BQ], hw, y, a, b, q, kg(b) + qg(q))
     return nest.compile()
+
+
+def _operands(nest, n, c, k, hw, dtype, has_bias, transposed):
+    """The GEMM nests' tensors: x (N, c, hw), w (k, c) (transposed: (c, k)), bias (k,) f32
+    or None, y (N, k, hw)."""
+    return (nest.tensor("x", (n, c, hw), dtype),
+            nest.tensor("w", (c, k) if transposed else (k, c), dtype),
+            nest.tensor("bias", (k,), _dt.F32) if has_bias else None,
+            nest.tensor("y", (n, k, hw), dtype))
 
 
 def _block(nest, rows, cols, c, k, hw, dtype, has_bias, activation, transposed, w, bias,
@@ -146,10 +152,7 @@ def _vnni_gemm_nest(c, k, hw, has_bias, activation, transposed):
     qcases, nqb = blocked.split(hw, BQ)
     nest = tpp.LoopNest("ACb", a=n, b=nkb, c=nqb)
     a, b, q = nest.vars
-    x = nest.tensor("x", (n, c, hw), bf16)
-    w = nest.tensor("w", (c, k) if transposed else (k, c), bf16)
-    bias = nest.tensor("bias", (k,), _dt.F32) if has_bias else None
-    y = nest.tensor("y", (n, k, hw), bf16)
+    x, w, bias, y = _operands(nest, n, c, k, hw, bf16, has_bias, transposed)
     xv = nest.tensor("xv", (n, nqb, (c + 1) // 2, 2 * BQ), bf16)
     for cols, qg in qcases:
         pack = tpp.make_unary("vnni2", c, cols, ldi=hw, ldo=2 * BQ, dtype_in=bf16)
