@@ -89,7 +89,7 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
     _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest, _vector_nest, to_blocked,
     from_blocked, pack_weight, pack_transposed, transpose_packed, _pad_bias, _size,
-    nchw_output, write_nchw, _dw_out_nest
+    nchw_output, write_nchw, _dw_out_nest, TURN_DTYPES
 )
 
 
