@@ -513,3 +513,35 @@ def test_overlapping_or_read_only_c_raises():
     c.flags.writeable = False
     with pytest.raises(tpp.ArgumentError, match="read-only"):
         tpp.brgemm(4, 5, 6)(a, _z(2, 6, 5), c)
+
+
+_NO_DOT_CASES = [
+    Case(64, 64, 64, "stride", 4, 0, "vnni", ("bf16", "bf16", "f32")),
+    Case(13, 33, 7, "stride", 3, 1, "vnni", ("bf16", "bf16", "bf16"), 2, ("row", "gelu", False)),
+    Case(5, 20, 1, "offset", 2, 0, "vnni", ("bf16", "bf16", "f32")),
+    Case(9, 17, 33, "address", 2, 1, "plain", ("bf16", "bf16", "f32"), 1, (None, "relu", True)),
+    Case(6, 8, 16, "stride", 2, 0, "ta.vnni", ("bf16", "bf16", "f32")),
+]
+
+
+def test_bf16_without_a_dot_instruction_in_a_subprocess():
+    """bf16 A pairs split on the vector (brgemm._opaque) where there is no bf16 dot: the
+    sweep's bf16 cases with AVX2 code (TPP_CPU_ISA=avx2, a fresh process and disk cache),
+    whatever this host runs by default."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    ids = [str(c) for c in _NO_DOT_CASES]
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_brgemm as t\n"
+              "from tpp_cpu import target\n"
+              "assert not target.current().bf16_dot and target.current().lanes == 8\n"
+              "for case in t._NO_DOT_CASES: t._run_case(case)\n"
+              "print('ok', len(t._NO_DOT_CASES))\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TPP_CPU_ISA="avx2", TPP_CACHE_DIR=cache)
+        out = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert out.returncode == 0, f"{ids}\n{out.stdout}\n{out.stderr}"
+    assert out.stdout.strip() == f"ok {len(_NO_DOT_CASES)}"
