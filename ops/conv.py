@@ -37,7 +37,9 @@ lda = stride*bc (strided pixels are read in place). The first tap writes C (beta
 others add (beta 1), and the last applies bias and activation in the BRGEMM epilogue (fewer
 input blocks than kernel columns, 3x3 64 and 128: one BRGEMM per block and kernel row whose
 batch is the row's taps, stride_a = dilation*bc; 2-7% faster at one thread). bf16
-accumulates the taps in an f32 tile and rounds it once (an identity TPP).
+accumulates the taps in an f32 tile and rounds it once (an identity TPP). An NCHW output is
+written by the nest too, each finished tile transposed into it while in cache
+(conv_layout.write_nchw); the blocked output is kept only for chains (conv2d_blocked).
 
 Backward data: the transposed convolution, as the same forward nest on dy scattered into a
 zeroed frame (stride-1 positions spaced by the stride, a border of dilation*(R-1)), with the
@@ -51,7 +53,10 @@ pixels of one row (trans_a), batch-reduced over the output rows, summed over the
 (bf16 host data: ops.conv_dw, x^T @ dy with dy in VNNI pairs of pixels, on vdpbf16ps).
 Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images (host data: a row
 sum of dy as it is). At most 4 input channels per group (the stem, depthwise; host data):
-the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps).
+the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps;
+bf16: the data and weight gradients on vdpbf16ps, the forward without channel padding). The
+data gradient's packed weight is made from the forward's where that is faster
+(conv_layout.pack_transposed: f32).
 
 1x1 layers (no padding, groups 1, f32 or bf16, host data; strided ones on their selected pixels,
 ops.conv_subsample) skip all of the above (the
