@@ -16,6 +16,7 @@ import tpp
 from tpp.core import checks
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError
+from tpp.runtime.lru import also_clear
 
 from . import _host
 
@@ -118,7 +119,30 @@ def _padding(padding, r, s, dilation, stride):
 
 
 def geometry(x_shape, w_shape, dtype, stride, padding, dilation, groups) -> Geometry:
-    """The layer's Geometry after validating the shapes and hyper-parameters."""
+    """The layer's Geometry after validating the shapes and hyper-parameters (remembered for
+    plain int / str arguments: a layer's every call asks for it, ~10 us of Python each)."""
+    x_shape, w_shape = tuple(x_shape), tuple(w_shape)
+    if all(_plain(v) for v in (x_shape, w_shape, stride, padding, dilation, groups)):
+        return _remembered(x_shape, w_shape, dtype, stride, padding, dilation, groups)
+    return _geometry(x_shape, w_shape, dtype, stride, padding, dilation, groups)
+
+
+def _plain(v) -> bool:
+    """An int, a str or a tuple of ints, exactly (no bools or floats, which compare equal to
+    ints and so would share a cache entry)."""
+    t = type(v)
+    return t is int or t is str or (t is tuple and all(type(e) is int for e in v))
+
+
+@functools.lru_cache(maxsize=1024)
+def _remembered(*args) -> Geometry:
+    return _geometry(*args)
+
+
+also_clear(_remembered.cache_clear)     # tpp.clear_caches() empties it too
+
+
+def _geometry(x_shape, w_shape, dtype, stride, padding, dilation, groups) -> Geometry:
     if len(x_shape) != 4:
         raise ArgumentError(f"x: expected a 4-D (N, C, H, W) array, got shape {x_shape}")
     if len(w_shape) != 4:

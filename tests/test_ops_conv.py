@@ -327,3 +327,17 @@ def test_transposed_pack_from_forward_pack(dtype, k, c, r, s, groups):
                        want.data.view(torch.int16) if dtype == "bf16" else want.data)
     with pytest.raises(ArgumentError):
         conv.transpose_packed(want)
+
+
+def test_geometry_remembered_only_for_plain_arguments():
+    """A layer's geometry is remembered between calls, but a bool or float where an int is
+    expected is still an error after the int's geometry was remembered."""
+    from ops import conv
+    geo = conv.geometry((2, 4, 8, 8), (6, 4, 3, 3), tpp.F32, 1, 1, 1, 1)
+    assert conv.geometry((2, 4, 8, 8), (6, 4, 3, 3), tpp.F32, 1, 1, 1, 1) is geo
+    for bad in (dict(groups=True), dict(stride=(1, True)), dict(padding=1.0),
+                dict(dilation=True)):
+        kw = dict(stride=1, padding=1, dilation=1, groups=1) | bad
+        with pytest.raises(ArgumentError):
+            conv.geometry((2, 4, 8, 8), (6, 4, 3, 3), tpp.F32, kw["stride"], kw["padding"],
+                          kw["dilation"], kw["groups"])
