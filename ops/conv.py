@@ -58,12 +58,10 @@ bf16: the data and weight gradients on vdpbf16ps, the forward without channel pa
 data gradient's packed weight is made from the forward's where that is faster
 (conv_layout.pack_transposed: f32).
 
-1x1 layers (no padding, groups 1, f32 or bf16, host data; strided ones on their selected pixels,
-ops.conv_subsample) skip all of the above (the
-forward given packed= only for images of at least 90% whole 16-pixel vectors, see
-conv_pointwise.eligible; else the packed weight is used): per
-image they are GEMMs on the NCHW arrays as they are (ops.conv_pointwise; no conversion, no
-packing). Any other `packed=` or `xb=` given for such a layer is checked, then unused.
+1x1 layers (no padding, groups 1, f32 or bf16, host data; strided ones on their selected
+pixels, ops.conv_subsample) run as GEMMs on the NCHW arrays as they are (ops.conv_pointwise;
+no conversion, no packing; a forward given packed= only for images of at least 90% whole
+16-pixel vectors, see conv_pointwise.eligible). Other packed= / xb= are checked, then unused.
 
 Compilation: one nest per layer shape (channels, kernel, stride, padding, dilation, groups,
 spatial size, dtype, bias, activation); the batch size N is a runtime size (tpp.size), so a
@@ -94,7 +92,7 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
     _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest, _vector_nest, to_blocked,
     from_blocked, pack_weight, pack_transposed, transpose_packed, _pad_bias, _size,
-    nchw_output, write_nchw, _dw_out_nest, TURN_DTYPES
+    nchw_output, write_nchw, _dw_out_nest, TURN_DTYPES, _check_xb
 )
 
 
@@ -128,9 +126,10 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     bias_t = nest.tensor("bias", (groups * kb * bk,), acc_dt) if has_bias else None
     ft, fb, fl, fr = frame
     yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
-    acc = nest.tensor("acc", (n, groups * kb, p, q, bk), acc_dt) if vnni else yb
+    staged = _staged(dtype, r, s, has_bias)
+    acc = nest.tensor("acc", (n, groups * kb, p, q, bk), acc_dt) if staged else yb
     y = None if kg is None else nchw_output(nest, kg, groups, p, q, dtype)
-    ah, aw = (0, 0) if vnni else (ft, fl)
+    ah, aw = (0, 0) if staged else (ft, fl)
     cases = ([(bq, (d < full,) if tail else ())] if full else []) + \
         ([(tail, (d == full,))] if tail else [])
     # fewer input blocks than kernel columns: per (input block, kernel row) a BRGEMM whose
@@ -145,20 +144,28 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
             last = t == len(taps) - 1
             spec = tpp.make_brgemm(
                 pixels, bk, bc, lda=sw * bc, ldb=2 * bk if vnni else bk, ldc=bk,
-                dtype_a=dtype, dtype_b=dtype, dtype_c=acc_dt, beta=0 if t == 0 else 1,
+                dtype_a=dtype, dtype_b=dtype, dtype_c=acc_dt if staged else dtype,
+                beta=0 if t == 0 else 1,
                 vnni_b=vnni, bias="row" if (has_bias and last) else None,
                 activation=activation if last else None)
             nest.call(spec, xb[a, x_block + u, c * sh + i * dh, d * bq * sw + j * dw],
                       wb[b, u, i, j], acc[a, b, ah + c, aw + d * bq],
                       bias=bias_t[b * bk] if (has_bias and last) else None,
                       count=batch[0], stride_a=batch[1], stride_b=batch[2], when=when)
-        if vnni:
+        if staged:
             spec = tpp.make_unary("identity", pixels, bk, dtype_in=acc_dt, dtype_out=dtype)
             nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=when)
         if y is not None:
             write_nchw(nest, y, yb[a, b, ft + c, fl + d * bq], y[a, g * kg + k * bk,
                        c * q + d * bq], pixels, k, kb, kg, bk, when)
     return nest.compile()
+
+
+def _staged(dtype, r, s, has_bias) -> bool:
+    """Whether _conv_nest sums a bf16 tile in an f32 accumulator (acc) and rounds it once: when
+    several BRGEMM calls add to it (taps) or an f32 bias row joins it. A 1x1 bias-free tile is
+    one call, rounded straight from the BRGEMM."""
+    return dtype == _dt.BF16 and (r * s > 1 or has_bias)
 
 
 def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
@@ -276,8 +283,6 @@ def _on_host(a) -> bool:
     return a is None or type(a) is _NDARRAY or not _host.on_device(a)
 
 
-
-
 # ------------------------------------------------------------------ forward
 def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
            activation=None, packed=None, **unknown):
@@ -369,7 +374,8 @@ def _forward(xb, wb, bias, geo, activation, like, frame=None):
     taps = _taps.eligible(cb, bc, geo.s, geo.dilation[1]) and _on_host(like)    # the stem
     # bf16 tiles summed over several BRGEMM calls go through an f32 accumulator (the taps
     # nest's one call per tile only with a bias, see conv_taps.conv_nest)
-    if geo.dtype == _dt.BF16 and not (taps and bias is None):
+    if (geo.dtype == _dt.BF16 and bias is not None) if taps else \
+            _staged(geo.dtype, geo.r, geo.s, bias is not None):
         args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
     fr = tuple(frame or (0, 0, 0, 0))
     # an NCHW output is written by the nest itself, tile by tile (conv_layout.write_nchw)
@@ -492,19 +498,6 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     return dx, dw, db
 
 
-def _check_xb(xb, x, geo):
-    """xb if it is the BlockedActivation of x (this layer's frame and blocks) the forward
-    read, on x's device; else an ArgumentError."""
-    if isinstance(xb, BlockedActivation) and not (_on_host(x) and _on_host(xb.data)):
-        _host.same_device(x=x, xb=xb.data)
-    if (not isinstance(xb, BlockedActivation) or tuple(xb.pad) != geo.pad
-            or xb.bc != geo.bc or xb.groups != geo.groups or xb.n != x.shape[0]
-            or (xb.channels, xb.h, xb.w) != (geo.c, geo.h, geo.w)):
-        raise ArgumentError("xb: expected the BlockedActivation of x that the forward "
-                            "read (ops.conv.to_blocked(x, geometry))")
-    return xb
-
-
 def _conv_padded(dyb, wbt, tgeo, geo, like):
     """The blocked gradient of the padded input (N, G*Cb, hp, wp, bc)."""
     n = dyb.shape[0]
@@ -514,7 +507,7 @@ def _conv_padded(dyb, wbt, tgeo, geo, like):
     if n == 0:
         return yb
     args = [dyb, wbt, yb]
-    if geo.dtype == _dt.BF16:
+    if _staged(geo.dtype, geo.r, geo.s, False):
         args.append(_host.empty(tuple(yb.shape), _dt.F32, like))
     nest, args = _run_conv(
         args, tgeo.hp, tgeo.wp, geo.r, geo.s, 1, 1, tgeo.p, tgeo.q, (0, 0, 0, 0),

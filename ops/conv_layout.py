@@ -200,6 +200,19 @@ class BlockedWeight:
     transposed: bool      # the flipped, transposed weight of the data gradient
 
 
+def _check_xb(xb, x, geo):
+    """xb if it is the BlockedActivation of x (this layer's frame and blocks) the forward
+    read, on x's device; else an ArgumentError."""
+    if isinstance(xb, BlockedActivation) and (_host.on_device(x) or _host.on_device(xb.data)):
+        _host.same_device(x=x, xb=xb.data)
+    if (not isinstance(xb, BlockedActivation) or tuple(xb.pad) != geo.pad
+            or xb.bc != geo.bc or xb.groups != geo.groups or xb.n != x.shape[0]
+            or (xb.channels, xb.h, xb.w) != (geo.c, geo.h, geo.w)):
+        raise ArgumentError("xb: expected the BlockedActivation of x that the forward "
+                            "read (ops.conv.to_blocked(x, geometry))")
+    return xb
+
+
 def _threads(flops):
     return 1 if flops < _SERIAL_FLOPS else None
 

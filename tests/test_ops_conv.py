@@ -341,3 +341,27 @@ def test_geometry_remembered_only_for_plain_arguments():
         with pytest.raises(ArgumentError):
             conv.geometry((2, 4, 8, 8), (6, 4, 3, 3), tpp.F32, kw["stride"], kw["padding"],
                           kw["dilation"], kw["groups"])
+
+
+@pytest.mark.parametrize("kw", [dict(padding=1), dict(groups=2), dict(stride=2, padding=1),
+                                dict(packed=True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_1x1_on_the_blocked_nest(kw, bias):
+    """bf16 1x1 layers the GEMM path does not take (padded, grouped; 7x7 images given a packed
+    weight) run the blocked nest, a bias-free tile rounded straight from its one BRGEMM (no
+    f32 accumulator), a biased one through it: both against torch."""
+    from ops import conv
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 8, 7, 7, generator=g).bfloat16()
+    groups = kw.get("groups", 1)
+    w = (torch.randn(70, 8 // groups, 1, 1, generator=g) * 0.3).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16() if bias else None
+    args = {k: v for k, v in kw.items() if k != "packed"}
+    if kw.get("packed"):
+        args["packed"] = conv.pack_weight(w, 1, tpp.BF16)
+    assert not conv.serves_pointwise(x, w, args.get("stride", 1), args.get("padding", 0),
+                                     groups=groups, forward=True)
+    y = ops.conv2d(x, w, b, activation="relu", **args)
+    ref = F.relu(F.conv2d(x.float(), w.float(), None if b is None else b.float(),
+                          args.get("stride", 1), args.get("padding", 0), 1, groups))
+    torch.testing.assert_close(y.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
