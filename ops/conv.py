@@ -126,7 +126,7 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     bias_t = nest.tensor("bias", (groups * kb * bk,), acc_dt) if has_bias else None
     ft, fb, fl, fr = frame
     yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
-    staged = _staged(dtype, r, s, has_bias)
+    staged = _staged(dtype, has_bias, r, s)
     acc = nest.tensor("acc", (n, groups * kb, p, q, bk), acc_dt) if staged else yb
     y = None if kg is None else nchw_output(nest, kg, groups, p, q, dtype)
     ah, aw = (0, 0) if staged else (ft, fl)
@@ -161,7 +161,7 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     return nest.compile()
 
 
-def _staged(dtype, r, s, has_bias) -> bool:
+def _staged(dtype, has_bias, r, s) -> bool:
     """Whether _conv_nest sums a bf16 tile in an f32 accumulator (acc) and rounds it once: when
     several BRGEMM calls add to it (taps) or an f32 bias row joins it. A 1x1 bias-free tile is
     one call, rounded straight from the BRGEMM."""
@@ -374,8 +374,8 @@ def _forward(xb, wb, bias, geo, activation, like, frame=None):
     taps = _taps.eligible(cb, bc, geo.s, geo.dilation[1]) and _on_host(like)    # the stem
     # bf16 tiles summed over several BRGEMM calls go through an f32 accumulator (the taps
     # nest's one call per tile only with a bias, see conv_taps.conv_nest)
-    if (geo.dtype == _dt.BF16 and bias is not None) if taps else \
-            _staged(geo.dtype, geo.r, geo.s, bias is not None):
+    if (_taps.staged_tiles(geo.dtype, bias is not None) if taps else
+            _staged(geo.dtype, bias is not None, geo.r, geo.s)):
         args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
     fr = tuple(frame or (0, 0, 0, 0))
     # an NCHW output is written by the nest itself, tile by tile (conv_layout.write_nchw)
@@ -507,7 +507,7 @@ def _conv_padded(dyb, wbt, tgeo, geo, like):
     if n == 0:
         return yb
     args = [dyb, wbt, yb]
-    if _staged(geo.dtype, geo.r, geo.s, False):
+    if _staged(geo.dtype, False, geo.r, geo.s):
         args.append(_host.empty(tuple(yb.shape), _dt.F32, like))
     nest, args = _run_conv(
         args, tgeo.hp, tgeo.wp, geo.r, geo.s, 1, 1, tgeo.p, tgeo.q, (0, 0, 0, 0),

@@ -65,37 +65,54 @@ def dot_dy(geo) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def expand_nest(groups, bc, hp, wp, s, sw, q, dtype, vnni=False):
+def expand_nest(groups, bc, hp, wp, s, sw, q, dtype, vnni=False, cols=None):
     """xs (N, groups, hp, q, s*bc) from xb (N, groups, hp, wp, bc) (see the docstring); vnni:
     also xsv (N, groups, hp, ceil(q/2), 2*s*bc), each row of xs in VNNI pairs of pixels
-    (packed right after it is written; an odd q's last pair padded with zero)."""
+    (packed right after it is written; an odd q's last pair padded with zero). cols: the
+    unpadded form's rows instead (bf16 only), xs (N, groups, hp, q, depth) with
+    xs[.., qq, j*cols + c] = xb[.., qq*sw + j, c] for the cols real channels of a block, a
+    zero last column where depth = s*cols + 1 (unpadded_depth)."""
     n = tpp.size("N")
+    width = bc if cols is None else cols
+    depth = s * width + (s * width) % 2 if cols is not None else s * bc
     nest = tpp.LoopNest("ABC", a=n, b=groups, c=hp)
     a, g, c = nest.vars
     xb = nest.tensor("xb", (n, groups, hp, wp, bc), dtype)
-    xs = nest.tensor("xs", (n, groups, hp, q, s * bc), dtype)
-    spec = tpp.make_unary("identity", q, bc, ldi=sw * bc, ldo=s * bc, dtype_in=dtype)
+    xs = nest.tensor("xs", (n, groups, hp, q, depth), dtype)
+    spec = tpp.make_unary("identity", q, width, ldi=sw * bc, ldo=depth, dtype_in=dtype)
     for j in range(s):
-        nest.call(spec, xb[a, g, c, j], xs[a, g, c, 0, j * bc])
+        nest.call(spec, xb[a, g, c, j], xs[a, g, c, 0, j * width])
+    if depth > s * width:
+        nest.call(tpp.make_unary("zero", q, 1, ldo=depth, dtype_in=dtype),
+                  xs[a, g, c, 0, s * width])
     if vnni:
         xsv = nest.tensor("xsv", (n, groups, hp, (q + 1) // 2, 2 * s * bc), dtype)
         nest.call(tpp.make_unary("vnni2", q, s * bc, dtype_in=dtype), xs[a, g, c], xsv[a, g, c])
     return nest.compile()
 
 
-def expand(xb, bc, hp, wp, s, sw, q, dtype, vnni=False):
-    """xs for the blocked activation data xb (host); vnni: xsv (see expand_nest) instead."""
+def expand(xb, bc, hp, wp, s, sw, q, dtype, vnni=False, cols=None):
+    """xs for the blocked activation data xb (host); vnni: xsv (see expand_nest) instead;
+    cols: the unpadded form's xs."""
     n, groups = xb.shape[0], xb.shape[1]
-    shape = (n, groups, hp, q, s * bc)
+    depth = s * cols + (s * cols) % 2 if cols is not None else s * bc
+    shape = (n, groups, hp, q, depth)
     xs = (_host.scratch("conv_taps_xs", shape, dtype) if vnni else
           _host.empty(shape, dtype, xb))
     args = [xb, xs]
     if vnni:
         args.append(_host.empty((n, groups, hp, (q + 1) // 2, 2 * s * bc), dtype, xb))
     if n:
-        expand_nest(groups, bc, hp, wp, s, sw, q, dtype, vnni)(*args, threads=_threads(
+        expand_nest(groups, bc, hp, wp, s, sw, q, dtype, vnni, cols)(*args, threads=_threads(
             64 * _size(xs)))
     return args[-1]
+
+
+def staged_tiles(dtype, has_bias) -> bool:
+    """Whether conv_nest sums a tile in an f32 accumulator (acc) and rounds it apart: bf16
+    with a bias (its f32 row joins the BRGEMM's f32 C); a bias-free tile, one BRGEMM over all
+    kernel rows, is rounded straight from it."""
+    return dtype == _dt.BF16 and has_bias
 
 
 @functools.lru_cache(maxsize=256)
@@ -105,9 +122,7 @@ def conv_nest(groups, kb, bc, bk, hp, r, s, sh, dh, p, q, dtype, has_bias, activ
     groups, hp, q, depth) and the kernel rows' weights wr (groups*kb, r, depth*bk) (bf16 in
     VNNI pairs): depth s*bc with xs from expand and wr the packed weight wb (groups*kb, 1, r,
     s, bc, bk) as it is, or the unpadded form's (operands). With kg, the tiles also go to the
-    NCHW y (N, groups*kg, p*q) (conv_layout.write_nchw). A bf16 tile is one BRGEMM over all
-    kernel rows: without a bias it is rounded into yb directly, with one (an f32 row) it
-    goes through the f32 acc."""
+    NCHW y (N, groups*kg, p*q) (conv_layout.write_nchw); acc where staged_tiles."""
     n = tpp.size("N")
     vnni = dtype == _dt.BF16
     depth = s * bc if depth is None else depth
@@ -121,7 +136,7 @@ def conv_nest(groups, kb, bc, bk, hp, r, s, sh, dh, p, q, dtype, has_bias, activ
     bias_t = nest.tensor("bias", (groups * kb * bk,), _dt.F32) if has_bias else None
     ft, fb, fl, fr = frame
     yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
-    staged = vnni and has_bias
+    staged = staged_tiles(dtype, has_bias)
     acc = nest.tensor("acc", (n, groups * kb, p, q, bk), _dt.F32) if staged else yb
     y = None if kg is None else nchw_output(nest, kg, groups, p, q, dtype)
     ah, aw = (0, 0) if staged else (ft, fl)
@@ -160,24 +175,6 @@ def unpadded_depth(geo):
 
 
 @functools.lru_cache(maxsize=256)
-def _unpadded_x_nest(groups, cg, bc, hp, wp, s, sw, q, depth):
-    """xs (N, groups, hp, q, depth) bf16: xs[.., qq, j*cg + c] = xb[.., qq*sw + j, c], the
-    last column zero where depth = s*cg + 1."""
-    n = tpp.size("N")
-    nest = tpp.LoopNest("ABC", a=n, b=groups, c=hp)
-    a, g, c = nest.vars
-    xb = nest.tensor("xb", (n, groups, hp, wp, bc), _dt.BF16)
-    xs = nest.tensor("xs", (n, groups, hp, q, depth), _dt.BF16)
-    spec = tpp.make_unary("identity", q, cg, ldi=sw * bc, ldo=depth, dtype_in=_dt.BF16)
-    for j in range(s):
-        nest.call(spec, xb[a, g, c, j], xs[a, g, c, 0, j * cg])
-    if depth > s * cg:
-        nest.call(tpp.make_unary("zero", q, 1, ldo=depth, dtype_in=_dt.BF16),
-                  xs[a, g, c, 0, s * cg])
-    return nest.compile()
-
-
-@functools.lru_cache(maxsize=256)
 def _unpadded_w_nest(gk, cg, bc, bk, r, s, depth):
     """wr (gk, r, depth/2, 2*bk) from the packed weight wb (gk, 1, r, s, bc/2, 2*bk): per
     kernel row, the taps' bc x bk blocks unpacked (vnni2_inv, into flat), their cg real rows
@@ -210,11 +207,8 @@ def operands(xb, wb, geo, q):
     if depth is None:
         xs = expand(xb, bc, hp, wp, s, geo.stride[1], q, geo.dtype)
         return xs, _host.reshape(wb, (wb.shape[0], r, math.prod(wb.shape[3:]))), None
-    n, groups, gk, bk = xb.shape[0], xb.shape[1], wb.shape[0], geo.bk
-    xs = _host.empty((n, groups, hp, q, depth), geo.dtype, xb)
-    if n:
-        _unpadded_x_nest(groups, geo.cg, bc, hp, wp, s, geo.stride[1], q, depth)(
-            xb, xs, threads=_threads(64 * _size(xs)))
+    gk, bk = wb.shape[0], geo.bk
+    xs = expand(xb, bc, hp, wp, s, geo.stride[1], q, geo.dtype, cols=geo.cg)
     wr = _host.empty((gk, r, depth // 2, 2 * bk), geo.dtype, wb)
     _unpadded_w_nest(gk, geo.cg, bc, bk, r, s, depth)(
         wb, wr, _host.scratch("conv_taps_flat", (gk, r, s, bc, bk), geo.dtype),
@@ -306,5 +300,5 @@ def weight_grad(xb, dyb, geo, like, dy=None):
 
 
 for _cache in (expand_nest, conv_nest, dw_nest, dw_dot_nest, _untranspose_nest,
-               _unpadded_x_nest, _unpadded_w_nest):
+               _unpadded_w_nest):
     also_clear(_cache.cache_clear)

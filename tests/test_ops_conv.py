@@ -327,6 +327,8 @@ def test_transposed_pack_from_forward_pack(dtype, k, c, r, s, groups):
                        want.data.view(torch.int16) if dtype == "bf16" else want.data)
     with pytest.raises(ArgumentError):
         conv.transpose_packed(want)
+    with pytest.raises(ArgumentError):
+        conv.transpose_packed(w)            # the weight itself, not a packed one
 
 
 def test_geometry_remembered_only_for_plain_arguments():
