@@ -521,13 +521,19 @@ _NO_DOT_CASES = [
     Case(5, 20, 1, "offset", 2, 0, "vnni", ("bf16", "bf16", "f32")),
     Case(9, 17, 33, "address", 2, 1, "plain", ("bf16", "bf16", "f32"), 1, (None, "relu", True)),
     Case(6, 8, 16, "stride", 2, 0, "ta.vnni", ("bf16", "bf16", "f32")),
+    # A widened per row tile: k = 1024 pads each widened row by a line (4 KiB apart
+    # otherwise); 820 pairs of 5 x 1 rows overflow brgemm.WIDE_ELEMENTS, so A is read in place
+    Case(6, 16, 1024, "stride", 1, 0, "vnni", ("bf16", "bf16", "f32")),
+    Case(5, 8, 1, "stride", 820, 0, "vnni", ("bf16", "bf16", "f32")),
+    Case(7, 19, 21, "offset", 3, 1, "plain", ("f16", "f16", "f32"), 1, ("row", None, False)),
 ]
 
 
 def test_bf16_without_a_dot_instruction_in_a_subprocess():
-    """bf16 A pairs split on the vector (brgemm._opaque) where there is no bf16 dot: the
-    sweep's bf16 cases with AVX2 code (TPP_CPU_ISA=avx2, a fresh process and disk cache),
-    whatever this host runs by default."""
+    """bf16 A where there is no bf16 dot: widened once per row tile (brgemm.widen_rows) or,
+    for batches too big for its buffer, pairs split on the vector (brgemm._opaque): the
+    sweep's bf16 cases and a few more with AVX2 code (TPP_CPU_ISA=avx2, a fresh process and
+    disk cache), whatever this host runs by default."""
     import os
     import subprocess
     import sys

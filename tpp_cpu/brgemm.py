@@ -19,6 +19,16 @@ halves are B[2p, :] and the high halves B[2p+1, :]. On hosts with avx512_bf16 an
 VNNI B, a pair of k steps is one `vdpbf16ps` instead. A transposed B is read with gathers (its
 columns are strided), correct but slower than packing B with the transpose TPP first.
 
+Widened A: where A is narrower than f32 and no dot instruction takes it (bf16 A on hosts
+without avx512_bf16 or with a B not VNNI-packed, f16 A), each row tile first widens its rows of every pair into a stack buffer
+of f32 (one vector load, widen and store per 8 or 16 elements), and its column tiles read A
+from there with plain broadcasts: the widening is paid once per row tile instead of once per
+column tile and k step, and A needs one register, not three (its pair, the halves' mask), so
+the tile grows from 4x2 to 5x2 on AVX2. A batch whose rows do not fit the buffer
+(WIDE_ELEMENTS f32: batch * rows * k > 32768, e.g. more than 102 pairs of k = 64) reads A in
+place as before (the buffer is 128 KiB of the calling thread's stack at most). f32 A,
+transposed A and the bf16 dot path are unchanged.
+
 No software prefetch: prefetching the next pair's B rows measured 4-6% slower on Zen 3 (the
 blocks are cache-resident and the prefetches compete for the load ports), and prefetching A's
 rows 64-256 elements ahead in the k loop changed nothing measurable on Zen 4 (ops.matmul at
@@ -37,11 +47,13 @@ vector FMA:
   AVX2 (16 ymm), 6x2 tile: one iteration of 8 steps is 96 FMAs, 16 B loads, 48 broadcasts
     and 9 instructions: 1.76 instructions, 0.67 loads (0.17 B + 0.50 A) and 0.09 overhead per
     FMA; 16x16 (6x2 and 5x2 tiles, no k loop): 1.72 instructions, 0.67 loads.
-  bf16 without a dot instruction (AVX2; VNNI B, 4x2 tile): per A row and pair of k steps one
-    broadcast load of the pair, a shift and a mask (its two f32 halves; see _opaque) for 4
-    FMAs, B's halves one shift or blend per vector: ~2.4 instructions per FMA (2.8 before
-    _opaque, whose absence let LLVM shift the scalar and broadcast each half on its own), 64^3
-    x16 on Zen 4 as AVX2: 69-70% -> 84-86% of the f32 peak.
+  bf16 without a dot instruction (AVX2; VNNI B): A widened once per row tile (see Widened
+    A), 5x2 tile: per pair of k steps 2 B loads, a shift and a blend per B vector for its two
+    f32 halves, 10 broadcasts of widened A and 20 FMAs: 1.84 instructions per FMA. 64^3 x16
+    on Zen 4 as AVX2 (raw calls, paired runs): 86-96 -> 99-103 GFLOP/s, f32 109-111. Before
+    the widening (the batches too big for its buffer still run so), a 4x2 tile split each A
+    pair on the vector per column tile: one broadcast load, a shift and a mask (see _opaque)
+    per row and pair, ~2.4 instructions per FMA.
 The per-call cost on top (C tile zeroed or loaded, stored; pointers per pair) is < 1% of a
 16^3 x32 call's FMAs; what remains measurable for small calls is the caller's: from Python a
 raw call costs ~0.5 us (cffi, 8 arguments), 18% of a 16^3 x32 call, which reaches 94-98% of the
@@ -50,8 +62,11 @@ FMA peak when called from native code (a LoopNest), 77-81% through Kernel.raw fr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llvmlite import ir
 
+from tpp.core import dtypes as _dtypes
 from tpp.core import optable
 from tpp.core.spec import mask_bytes
 
@@ -60,6 +75,23 @@ from .brgemm_blocking import plan
 from .irx import F32, I16, I32, I64, PTR, i64, vec
 
 UNROLL_STEPS = 8     # k steps per iteration of the k loop
+WIDEN_A = True       # narrow A (no dot instruction) widened to f32 once per row tile
+WIDE_ELEMENTS = 32768  # f32 of the stack buffer of widened A rows (128 KiB at most)
+
+
+def _wide_ld(k: int, lanes: int) -> int:
+    """f32 per widened A row: k in whole vectors, one more line where rows would lie a multiple
+    of 4 KiB apart (every row of a tile in one L1 set)."""
+    ld = -(-k // lanes) * lanes
+    return ld + 16 if (4 * ld) % 4096 == 0 else ld
+
+
+@dataclass(frozen=True)
+class _Wide:
+    """The stack copy of a row tile's A rows as f32: row r of pair i at i * pair + r * ld."""
+    ld: int         # f32 per row (k rounded up to whole vectors)
+    pair: int       # f32 per pair (rows of the widest row tile * ld)
+    pairs: int      # pairs that fit: batches of more read A where it is (no widening)
 STRAIGHT_STEPS = 16  # up to this many k steps, no k loop at all
 
 
@@ -75,7 +107,6 @@ class _Generator:
         self.spec, self.b, self.lanes = spec, b, target.lanes
         self.pa, self.pb, self.pc, self.pbias, self.pmask = pa, pb, pc, pbias, pmask
         self.count, self.arg_a, self.arg_b = count, arg_a, arg_b
-        self.ta = irx.storage_type(spec.dtype_a)
         self.tb = irx.storage_type(spec.dtype_b)
         self.dot = (target.bf16_dot and spec.vnni_b and spec.dtype_a.name == "bf16"
                     and spec.dtype_b.name == "bf16")
@@ -84,6 +115,14 @@ class _Generator:
         widened = 2 if (spec.vnni_b and not self.dot) else 1
         a_row_bytes = None if spec.trans_a else spec.lda * spec.dtype_a.itemsize
         self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened, a_row_bytes)
+        # A widened once per row tile (see the module docstring): its k loop reads A as f32,
+        # so a tile needs no registers for A's pair and its mask, only the broadcast
+        self.widen = self.wide_blocking = None
+        if (WIDEN_A and not self.dot and not spec.trans_a and spec.dtype_a.name != "f32"):
+            ld = _wide_ld(spec.k, target.lanes)
+            self.wide_blocking = plan(spec.m, spec.n, target.lanes, registers, widened,
+                                      4 * ld, spare=2)
+            self.widen = self.widen_plan(self.wide_blocking, ld)
         # (op info, params) of the epilogue's activation
         self.activation = None if spec.activation is None else \
             optable.epilogue(spec.activation, spec.bitmask)
@@ -91,21 +130,82 @@ class _Generator:
         self.looped = self.activation is not None and mapops.uses_transcendentals(
             *self.activation)
         self.scratch = None
+        # how the k loop reads A now: from the operand, or from the widened stack copy
+        self.reading_wide(False)
+        if self.widen:
+            slots = b.alloca(F32, size=self.widen.pairs * self.widen.pair, name="wide_a")
+            slots.align = 64
+            self.wide = b.inttoptr(b.ptrtoint(slots, I64), PTR)   # untyped, as the operands
         if self.looped:   # in the entry block: one fixed stack slot
-            most = max(rg.rows for rg in self.blocking.row_groups) * \
-                max(cg.vectors for cg in self.blocking.col_groups)
+            blockings = [x for x in (self.blocking, self.wide_blocking) if x is not None]
+            most = max(rg.rows * cg.vectors for bl in blockings for rg in bl.row_groups
+                       for cg in bl.col_groups)
             self.scratch = b.alloca(vec(F32, target.lanes), size=most, name="tile")
 
     # ------------------------------------------------------------ tiles
     def emit(self):
+        if not self.widen:
+            self.tiles(self.blocking, False)
+            return
+        fits = self.b.icmp_unsigned("<=", self.count, i64(self.widen.pairs))
+        with self.b.if_else(fits) as (then, otherwise):
+            with then:
+                self.tiles(self.wide_blocking, True)
+            with otherwise:
+                self.tiles(self.blocking, False)
+
+    def tiles(self, blocking, wide):
+        """Every tile of C, row tiles outside column tiles; wide: each row tile's A rows are
+        widened first and the k loops read them there."""
         b, lanes = self.b, self.lanes
-        for rg in self.blocking.row_groups:
+        for rg in blocking.row_groups:
             with irx.for_range(b, rg.count, name="mtile") as i:
                 row0 = b.add(i64(rg.start), b.mul(i, i64(rg.rows)))
-                for cg in self.blocking.col_groups:
+                if wide:
+                    self.widen_rows(row0, rg.rows)
+                self.reading_wide(wide)
+                for cg in blocking.col_groups:
                     with irx.for_range(b, cg.count, name="ntile") as j:
                         col0 = b.add(i64(cg.start), b.mul(j, i64(cg.vectors * lanes)))
                         self.tile(row0, col0, rg.rows, cg.vectors, cg.tail)
+                self.reading_wide(False)
+
+    # ------------------------------------------------------------ A widened once per row tile
+    def widen_plan(self, blocking, ld):
+        """The layout of the widened rows (_Wide), or None where not even one pair's rows fit
+        WIDE_ELEMENTS."""
+        rows = max(rg.rows for rg in blocking.row_groups)
+        pairs = WIDE_ELEMENTS // (rows * ld)
+        return _Wide(ld, rows * ld, pairs) if pairs else None
+
+    def widen_rows(self, row0, rows):
+        """A's rows row0 .. row0 + rows - 1 of every pair as f32 into the stack buffer (the
+        layout of _Wide), the k tail zero-filled."""
+        b, spec, lanes = self.b, self.spec, self.lanes
+        full, tail = divmod(spec.k, lanes)
+        with irx.for_range(b, self.count, name="widen") as i:
+            a_i, _ = self.batch_pointers(i)
+            base = b.mul(i, i64(self.widen.pair))
+            for r in range(rows):
+                src = irx.element_ptr(b, a_i, b.mul(b.add(row0, i64(r)), i64(spec.lda)),
+                                      irx.storage_type(spec.dtype_a))
+                dst = irx.element_ptr(b, self.wide, b.add(base, i64(r * self.widen.ld)), F32)
+                with irx.for_range(b, full * lanes, step=lanes, name="wcol") as c:
+                    x = irx.load_f32(b, src, c, spec.dtype_a, lanes)
+                    irx.store_vec(b, x, dst, c)
+                if tail:
+                    x = irx.load_f32(b, src, i64(full * lanes), spec.dtype_a, lanes, tail)
+                    irx.store_vec(b, x, dst, i64(full * lanes))
+
+    def reading_wide(self, on: bool):
+        """Make the k loop read A from the widened stack copy (on) or from the operand."""
+        if on:
+            self.ta, self.dtype_a, self.lda = F32, _dtypes.F32, self.widen.ld
+        else:
+            spec = self.spec
+            self.ta, self.dtype_a, self.lda = irx.storage_type(spec.dtype_a), spec.dtype_a, \
+                spec.lda
+        self.wide_now = on
 
     def _counts(self, vectors, tail):
         """Active lanes of each vector of a tile (None: all)."""
@@ -123,19 +223,25 @@ class _Generator:
             acc = [irx.const(vec(F32, lanes), 0.0)] * (rows * vectors)
         with irx.for_carry(b, self.count, acc, name="batch") as batch:
             a_i, b_i = self.batch_pointers(batch.index)
-            a_tile, b_tile = self.tile_pointers(a_i, b_i, row0, col0)
+            a_row0 = row0
+            if self.wide_now:       # the tile's rows of pair i, widened
+                a_i = irx.element_ptr(b, self.wide, b.mul(batch.index, i64(self.widen.pair)),
+                                      F32)
+                a_row0 = i64(0)
+            a_tile, b_tile = self.tile_pointers(a_i, b_i, a_row0, col0)
             batch.values = self.k_loop(batch.values, a_tile, b_tile, rows, vectors, counts)
         self.epilogue(batch.values, row0, col0, rows, vectors, counts, c_at)
 
     def batch_pointers(self, i):
         """(A_i, B_i) base pointers of pair i."""
         b, spec = self.b, self.spec
+        ta = irx.storage_type(spec.dtype_a)     # the operand's (not the widened copy's)
         if spec.batch == "stride":
-            return (irx.element_ptr(b, self.pa, b.mul(i, self.arg_a), self.ta),
+            return (irx.element_ptr(b, self.pa, b.mul(i, self.arg_a), ta),
                     irx.element_ptr(b, self.pb, b.mul(i, self.arg_b), self.tb))
         if spec.batch == "offset":
             out = []
-            for base, offsets, ty in ((self.pa, self.arg_a, self.ta), (self.pb, self.arg_b, self.tb)):
+            for base, offsets, ty in ((self.pa, self.arg_a, ta), (self.pb, self.arg_b, self.tb)):
                 off = irx.load_scalar(b, b.inttoptr(offsets, PTR), i, I64)
                 out.append(irx.element_ptr(b, base, off, ty))
             return tuple(out)
@@ -144,7 +250,7 @@ class _Generator:
     def tile_pointers(self, a_i, b_i, row0, col0):
         """Pointers to the tile's first A row (or column) and first B column."""
         spec, b = self.spec, self.b
-        a_off = row0 if spec.trans_a else b.mul(row0, i64(spec.lda))
+        a_off = row0 if spec.trans_a else b.mul(row0, i64(self.lda))
         if spec.trans_b:
             b_off = b.mul(col0, i64(spec.ldb))
         else:
@@ -160,7 +266,7 @@ class _Generator:
         if spec.k <= STRAIGHT_STEPS:
             unroll = steps + 1          # no loop: every step in the remainder
         loops, rest = divmod(steps, unroll)
-        a_step = self.step * (spec.lda if spec.trans_a else 1)      # elements per k step
+        a_step = self.step * (self.lda if spec.trans_a else 1)      # elements per k step
         b_step = 1 if spec.trans_b else spec.ldb
         if loops:
             with irx.for_carry(b, loops * unroll, acc, step=unroll, name="k") as kl:
@@ -188,7 +294,7 @@ class _Generator:
         acc = list(acc)
         bvecs = [[self.load_b(b_k, u, s, v, counts[v]) for v in range(vectors)]
                  for s in range(width)]
-        paired = width == 2 and self.spec.dtype_a.name == "bf16" and not self.spec.trans_a
+        paired = width == 2 and self.dtype_a.name == "bf16" and not self.spec.trans_a
         for r in range(rows):
             # both k values of a row before the next row: A's pair is loaded once
             for s in range(width):
@@ -202,13 +308,13 @@ class _Generator:
 
     def a_offset(self, kk, r):
         """Elements from a_k to A[row r, k step kk]."""
-        lda = self.spec.lda
+        lda = self.lda
         return i64(kk * lda + r if self.spec.trans_a else r * lda + kk)
 
     def load_a(self, a_k, kk, r):
         """A[row r, k step kk] as an f32 scalar."""
         raw = irx.load_scalar(self.b, a_k, self.a_offset(kk, r), self.ta)
-        return irx.to_f32(self.b, raw, self.spec.dtype_a)
+        return irx.to_f32(self.b, raw, self.dtype_a)
 
     def load_a_half(self, a_k, kk, r, s):
         """Broadcast f32 vector of bf16 A[row r, kk + s] (s = 0 or 1), from one 32-bit load of

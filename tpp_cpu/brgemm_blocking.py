@@ -5,7 +5,8 @@ and R broadcasts of A, and it holds R*V accumulators, V B vectors and one broadc
 registers: R*V + V + 1 <= registers - 1 (libxsmm's rule, with one register left to the
 compiler: a 4x3 AVX2 tile, which takes all 16 ymm registers, ran at 87 GFLOP/s where 6x2 ran
 at 103, 64^3 x16 on Zen 4). When a VNNI pair is widened to f32 in
-registers, B takes 2V and A two more (its pair and a zero for masking): R*V + 2V + 3. Among
+registers, B takes 2V and A two more (its pair and a zero for masking): R*V + 2V + 3; with
+A widened beforehand (brgemm's Widened A), one register less (`spare`). Among
 the V that fit, the planner takes the one with the fewest estimated cycles per k step over the
 whole C block, where a tile's cycles are the largest of its FMA throughput, the
 FMA latency (too few accumulators leave the pipes idle) and its load throughput; a tie goes to
@@ -114,15 +115,17 @@ def alias_rows(a_row_bytes) -> int | None:
 
 
 def plan(m: int, n: int, lanes: int, registers: int, b_regs_per_vector: int = 1,
-         a_row_bytes: int | None = None) -> Blocking:
+         a_row_bytes: int | None = None, spare: int | None = None) -> Blocking:
     """The blocking with the fewest estimated cycles per k step (see the module docstring);
-    a_row_bytes, A's row stride in bytes (None: transposed A), caps the rows per tile."""
+    a_row_bytes, A's row stride in bytes (None: transposed A), caps the rows per tile; spare:
+    registers a tile leaves to A and the compiler (default 2, 3 with VNNI pairs widened)."""
     nvec = -(-n // lanes)
     max_vectors = 4 if registers >= 32 else 3
     cap = alias_rows(a_row_bytes)
     best = None
     for vectors in range(1, min(max_vectors, nvec) + 1):
-        spare = 2 if b_regs_per_vector == 1 else 3
+        if spare is None:
+            spare = 2 if b_regs_per_vector == 1 else 3
         most_rows = (registers - spare - b_regs_per_vector * vectors) // vectors
         if cap is not None:
             most_rows = min(most_rows, cap)
