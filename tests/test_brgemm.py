@@ -526,6 +526,9 @@ _NO_DOT_CASES = [
     Case(6, 16, 1024, "stride", 1, 0, "vnni", ("bf16", "bf16", "f32")),
     Case(5, 8, 1, "stride", 820, 0, "vnni", ("bf16", "bf16", "f32")),
     Case(7, 19, 21, "offset", 3, 1, "plain", ("f16", "f16", "f32"), 1, ("row", None, False)),
+    Case(13, 40, 33, "address", 3, 1, "ta.vnni", ("bf16", "bf16", "bf16"), 3),
+    Case(64, 64, 64, "stride", 2, 0, "ta.vnni", ("bf16", "bf16", "f32")),
+    Case(5, 8, 64, "stride", 65, 1, "ta.vnni", ("bf16", "bf16", "f32")),
 ]
 
 
