@@ -26,7 +26,8 @@ from there with plain broadcasts: the widening is paid once per row tile instead
 column tile and k step, and A needs one register, not three (its pair, the halves' mask), so
 the tile grows from 4x2 to 5x2 on AVX2. A batch whose rows do not fit the buffer
 (WIDE_ELEMENTS f32: batch * rows * k > 32768, e.g. more than 102 pairs of k = 64) reads A in
-place as before (the buffer is 128 KiB of the calling thread's stack at most). A transposed
+place as before (the buffer, batch * rows * k * 4 bytes, is on the calling thread's stack: 128
+KiB at most). A transposed
 A (attention's P^T V) is widened the same way, kept transposed: per k step, the tile's rows as
 one vector. f32 A and the bf16 dot path are unchanged. Attention forward+backward in bf16
 with AVX2 code (Zen 4, 2 threads, paired runs): 0.83-0.88x -> 0.91-1.0x of its f32 rate.
@@ -134,10 +135,6 @@ class _Generator:
         self.scratch = None
         # how the k loop reads A now: from the operand, or from the widened stack copy
         self.reading_wide(False)
-        if self.widen:
-            slots = b.alloca(F32, size=self.widen.pairs * self.widen.pair, name="wide_a")
-            slots.align = 64
-            self.wide = b.inttoptr(b.ptrtoint(slots, I64), PTR)   # untyped, as the operands
         if self.looped:   # in the entry block: one fixed stack slot
             blockings = [x for x in (self.blocking, self.wide_blocking) if x is not None]
             most = max(rg.rows * cg.vectors for bl in blockings for rg in bl.row_groups
@@ -150,8 +147,13 @@ class _Generator:
             self.tiles(self.blocking, False)
             return
         fits = self.b.icmp_unsigned("<=", self.count, i64(self.widen.pairs))
-        with self.b.if_else(fits) as (then, otherwise):
-            with then:
+        b = self.b
+        with b.if_else(fits) as (then, otherwise):
+            with then:      # the buffer: as big as this call's batch needs (a dynamic alloca)
+                slots = b.alloca(F32, size=b.mul(self.count, i64(self.widen.pair)),
+                                 name="wide_a")
+                slots.align = 64
+                self.wide = b.inttoptr(b.ptrtoint(slots, I64), PTR)   # untyped, as operands
                 self.tiles(self.wide_blocking, True)
             with otherwise:
                 self.tiles(self.blocking, False)
