@@ -20,16 +20,15 @@ VNNI B, a pair of k steps is one `vdpbf16ps` instead. A transposed B is read wit
 columns are strided), correct but slower than packing B with the transpose TPP first.
 
 Widened A: where A is narrower than f32 and no dot instruction takes it (bf16 A on hosts
-without avx512_bf16 or with a B not VNNI-packed, f16 A), each row tile first widens its rows of every pair into a stack buffer
-of f32 (one vector load, widen and store per 8 or 16 elements), and its column tiles read A
-from there with plain broadcasts: the widening is paid once per row tile instead of once per
-column tile and k step, and A needs one register, not three (its pair, the halves' mask), so
-the tile grows from 4x2 to 5x2 on AVX2. A batch whose rows do not fit the buffer
-(WIDE_ELEMENTS f32: batch * rows * k > 32768, e.g. more than 102 pairs of k = 64) reads A in
-place as before (the buffer, batch * rows * k * 4 bytes, is on the calling thread's stack: 128
-KiB at most). A transposed
-A (attention's P^T V) is widened the same way, kept transposed: per k step, the tile's rows as
-one vector. f32 A and the bf16 dot path are unchanged. Attention forward+backward in bf16
+without avx512_bf16 or with a B not VNNI-packed; f16 A), each row tile first widens its rows
+of every pair into a stack buffer of f32 (one vector load, widen and store per 8 or 16
+elements), and its column tiles read A from there with plain broadcasts: the widening is paid
+once per row tile instead of once per column tile and k step, and A needs one register, not
+three (its pair and the halves' mask), so the AVX2 tile grows from 4x2 to 5x2. A transposed
+A (attention's P^T V) is widened too and kept transposed: per k step, the tile's rows as one
+vector. The buffer (a dynamic alloca of batch * rows * k f32 on the calling thread's stack) is
+capped at WIDE_ELEMENTS: a larger batch (more than 102 pairs of k = 64 on AVX2) reads A in
+place as before. f32 A and the bf16 dot path are unchanged. Attention forward+backward in bf16
 with AVX2 code (Zen 4, 2 threads, paired runs): 0.83-0.88x -> 0.91-1.0x of its f32 rate.
 
 No software prefetch: prefetching the next pair's B rows measured 4-6% slower on Zen 3 (the
@@ -79,7 +78,7 @@ from .irx import F32, I16, I32, I64, PTR, i64, vec
 
 UNROLL_STEPS = 8     # k steps per iteration of the k loop
 WIDEN_A = True       # narrow A (no dot instruction) widened to f32 once per row tile
-WIDE_ELEMENTS = 32768  # f32 of the stack buffer of widened A rows (128 KiB at most)
+WIDE_ELEMENTS = 32768  # most f32 of the widened-A stack buffer (128 KiB)
 
 
 def _wide_ld(k: int, lanes: int) -> int:
@@ -91,10 +90,11 @@ def _wide_ld(k: int, lanes: int) -> int:
 
 @dataclass(frozen=True)
 class _Wide:
-    """The stack copy of a row tile's A rows as f32: row r of pair i at i * pair + r * ld."""
-    ld: int         # f32 per row (k rounded up to whole vectors)
-    pair: int       # f32 per pair (rows of the widest row tile * ld)
-    pairs: int      # pairs that fit: batches of more read A where it is (no widening)
+    """The stack copy of a row tile's A rows as f32: A[row r, k step kk] of pair i at
+    i * pair + r * ld + kk, or (A transposed) i * pair + kk * ld + r."""
+    ld: int         # f32 per row: k (transposed: the tile's rows) in whole vectors
+    pair: int       # f32 per pair
+    pairs: int      # pairs that fit WIDE_ELEMENTS: batches of more read A in place
 STRAIGHT_STEPS = 16  # up to this many k steps, no k loop at all
 
 
@@ -146,8 +146,8 @@ class _Generator:
         if not self.widen:
             self.tiles(self.blocking, False)
             return
-        fits = self.b.icmp_unsigned("<=", self.count, i64(self.widen.pairs))
         b = self.b
+        fits = b.icmp_unsigned("<=", self.count, i64(self.widen.pairs))
         with b.if_else(fits) as (then, otherwise):
             with then:      # the buffer: as big as this call's batch needs (a dynamic alloca)
                 slots = b.alloca(F32, size=b.mul(self.count, i64(self.widen.pair)),
