@@ -70,11 +70,14 @@ build; results equal the host's to rounding, the dropout bits are the same); scr
 blocks are device allocations per call, cut and pasted by identity TPPs; a mask is read back
 to the host once per call, reblocked there as on the host and uploaded.
 
-Dropout with a 2-D mask, GQA and every tail combination are supported. bf16 runs every BRGEMM
-on bf16 A and VNNI-packed bf16 B (vdpbf16ps on avx512_bf16 hosts; f32 accumulation): Q_i^T,
-V_j, K_j, Q_i, dO_i and dO_i^T are packed in the nests, and P (forward and backward) and dS are
-rounded to bf16 before their products, as FlashAttention does; the softmax statistics, l (the
-sum of the unrounded P) and lse stay f32. Accuracy: bf16 outputs and gradients within the
+Dropout with a 2-D mask, GQA and every tail combination are supported. bf16, where the host
+has a bf16 dot instruction (tpp.has_dot_instruction; avx512_bf16) and on devices, runs every
+BRGEMM on bf16 A and VNNI-packed bf16 B (vdpbf16ps; f32 accumulation): Q_i^T, V_j, K_j, Q_i,
+dO_i and dO_i^T are packed in the nests, and P (forward and backward) and dS are rounded to
+bf16 before their products, as FlashAttention does; the softmax statistics, l (the sum of the
+unrounded P) and lse stay f32. A host without one (AVX2) widens bf16 to f32 in every product
+anyway: there bf16 takes the f32 nests' layouts (no packing, P and dS stay f32;
+attention_equations.vnni). Accuracy: bf16 outputs and gradients within the
 tests' bf16 tolerance (rtol = atol = 2e-2 of the largest value) of f32 torch.
 """
 from __future__ import annotations

@@ -54,3 +54,15 @@ def test_bad_isa_name(monkeypatch):
     monkeypatch.setenv("TPP_CPU_ISA", "sse2")
     with pytest.raises(tpp.UnsupportedError, match="TPP_CPU_ISA"):
         target.current()
+
+
+def test_has_dot_instruction_follows_the_target(monkeypatch):
+    """tpp.has_dot_instruction: bf16 where the code has vdpbf16ps (an avx512_bf16 host, not
+    forced to AVX2), never f32 or f16; an unknown dtype is a SpecError."""
+    assert tpp.has_dot_instruction("bf16") == target.current().bf16_dot
+    assert tpp.has_dot_instruction(tpp.BF16, tpp.CPU) == target.current().bf16_dot
+    assert not tpp.has_dot_instruction("f32") and not tpp.has_dot_instruction("f16")
+    monkeypatch.setenv("TPP_CPU_ISA", "avx2")
+    assert not tpp.has_dot_instruction("bf16")
+    with pytest.raises(tpp.SpecError, match="unknown dtype"):
+        tpp.has_dot_instruction("int3")

@@ -157,6 +157,50 @@ def test_bf16_vs_torch():
         _check(*_inputs(b, h, hk, sq, sk, d, torch.bfloat16), causal=causal)
 
 
+def _bf16_cases_without_a_dot():
+    """test_bf16_vs_torch, masks of both kinds and dropout in bf16 (its output and gradients
+    against the f32 operator's with the same seed and bits); run by the test below with AVX2
+    code, where bf16 takes the f32 layouts (attention_equations.vnni)."""
+    assert not tpp.has_dot_instruction("bf16")
+    test_bf16_vs_torch()
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = _inputs(2, 2, 1, 70, 90, 32, torch.bfloat16, seed=6)
+    key = torch.rand(2, 1, 1, 90, generator=g) > 0.3
+    full = torch.randn(70, 90, generator=g).bfloat16()
+    for mask in (key, full):
+        _check(q, k, v, do, mask=mask, causal=True)
+    f32 = [x.float() for x in (q, k, v, do)]
+    for causal, mask in ((False, None), (True, key)):
+        got, lse = A.attention_forward(q, k, v, mask=mask, causal=causal, dropout_p=0.3, seed=9)
+        want, lse32 = A.attention_forward(*f32[:3], mask=mask, causal=causal, dropout_p=0.3,
+                                          seed=9)
+        _close(got, want, torch.bfloat16)
+        grads = A.attention_backward(do, q, k, v, got, lse, mask=mask, causal=causal,
+                                     dropout_p=0.3, seed=9)
+        wants = A.attention_backward(f32[3], *f32[:3], want, lse32, mask=mask, causal=causal,
+                                     dropout_p=0.3, seed=9)
+        for x, y in zip(grads, wants):
+            _close(x, y, torch.bfloat16, scale=max(1.0, y.abs().max().item()))
+
+
+def test_bf16_without_a_dot_instruction_in_a_subprocess():
+    """bf16 attention where no bf16 dot instruction exists (AVX2 code: TPP_CPU_ISA=avx2, a
+    fresh process and disk cache), whatever this host runs by default."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_ops_attention as t\n"
+              "t._bf16_cases_without_a_dot(); print('ok')\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TPP_CPU_ISA="avx2", TPP_CACHE_DIR=cache)
+        out = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True,
+                             text=True, timeout=900)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert out.stdout.strip() == "ok"
+
+
 def _keep_bits(b, h, hk, sq, sk, p, seed):
     """The operator's dropout keep mask (B, H, Sq, Sk) for these sizes and seed: with q = 0
     every probability is 1 / Sk, and v = the identity makes out[i, j] = keep[i, j] * 1 /

@@ -33,7 +33,7 @@ __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "Brgemm
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest", "size",
            "equation", "Equation", "EquationKernel", "EquationSpec", "grad",
            "get_num_threads", "set_num_threads", "clear_caches", "cache_info", "Device",
-           "registry"]
+           "registry", "has_dot_instruction"]
 
 
 def get_num_threads() -> int:
@@ -45,6 +45,16 @@ def get_num_threads() -> int:
 def set_num_threads(n):
     """Use n threads in parallel loop nests (None: back to the environment variables)."""
     registry.for_device(CPU).set_num_threads(n)
+
+
+def has_dot_instruction(dtype, device: Device = CPU) -> bool:
+    """Whether the code for `device` (default: this host's CPU, as TPP_CPU_ISA selects)
+    multiplies `dtype` pairs with a dot instruction of its own (bf16 on AVX-512 hosts with
+    avx512_bf16): then a VNNI-packed B operand (brgemm(vnni_b=True)) runs at the dtype's
+    own rate; elsewhere narrow inputs are widened to f32, and packing them into pairs only
+    costs. An operator may choose its layouts by it."""
+    from .core import dtypes
+    return dtypes.lookup(dtype).name in registry.for_device(device).dot_dtypes()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -115,6 +115,10 @@ class CpuBackend(Backend):
     def cache_key_parts(self) -> tuple:
         return ("cpu", target.current().key(), backend.generator_version(), backend.llvm_build())
 
+    def dot_dtypes(self) -> frozenset:
+        """{"bf16"} where the target has vdpbf16ps (avx512_bf16 and TPP_CPU_ISA not avx2)."""
+        return frozenset({"bf16"}) if target.current().bf16_dot else frozenset()
+
     # the CPU backend's own controls, reached by tpp.get_num_threads & co. through the registry
     def num_threads(self) -> int:
         return threads.num_threads()

@@ -90,6 +90,13 @@ class Backend:
     def dump(self, spec, what: str, isa: str | None = None) -> str:
         raise UnsupportedError(f"the {self.name} backend has no dumps")
 
+    def dot_dtypes(self) -> frozenset:
+        """Names of the input dtypes whose BRGEMM products this backend's code computes with
+        a dot instruction of their own (pairs of products summed into f32, e.g. bf16 with
+        avx512_bf16): only for those does a VNNI-packed B pay for its packing. Products of
+        other narrow dtypes are widened to f32 and run at the f32 rate either way."""
+        return frozenset()
+
     def cache_key_parts(self) -> tuple:
         """What besides a spec decides the code this backend makes (generator version,
         compiler, target): part of its cache keys."""
