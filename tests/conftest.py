@@ -38,3 +38,23 @@ def _restore_threads():
     finally:
         import tpp      # imported here: TPP_CACHE_DIR must be set before tpp loads
         tpp.set_num_threads(None)
+
+
+@pytest.fixture
+def run_as_avx2():
+    """run(module, call, timeout): `import <module> as t; t.<call>` in a fresh Python with
+    AVX2 code (TPP_CPU_ISA=avx2) and its own disk cache, the tests directory on its path;
+    returns the CompletedProcess. For the paths a host with AVX-512 or a bf16 dot
+    instruction would not take by default."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run(module, call, timeout=600):
+        script = (f"import sys; sys.path.insert(0, sys.argv[1]); import {module} as t\n"
+                  f"t.{call}\n")
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TPP_CPU_ISA="avx2", TPP_CACHE_DIR=cache)
+            return subprocess.run([sys.executable, "-c", script, here], env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+    return run

@@ -532,25 +532,19 @@ _NO_DOT_CASES = [
 ]
 
 
-def test_bf16_without_a_dot_instruction_in_a_subprocess():
+def _no_dot_cases():
+    from tpp_cpu import target
+    assert not target.current().bf16_dot and target.current().lanes == 8
+    for case in _NO_DOT_CASES:
+        _run_case(case)
+    print("ok", len(_NO_DOT_CASES))
+
+
+def test_bf16_without_a_dot_instruction_in_a_subprocess(run_as_avx2):
     """bf16 A where there is no bf16 dot: widened once per row tile (brgemm.widen_rows) or,
     for batches too big for its buffer, pairs split on the vector (brgemm._opaque): the
-    sweep's bf16 cases and a few more with AVX2 code (TPP_CPU_ISA=avx2, a fresh process and
-    disk cache), whatever this host runs by default."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    ids = [str(c) for c in _NO_DOT_CASES]
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_brgemm as t\n"
-              "from tpp_cpu import target\n"
-              "assert not target.current().bf16_dot and target.current().lanes == 8\n"
-              "for case in t._NO_DOT_CASES: t._run_case(case)\n"
-              "print('ok', len(t._NO_DOT_CASES))\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TPP_CPU_ISA="avx2", TPP_CACHE_DIR=cache)
-        out = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True,
-                             text=True, timeout=600)
-    assert out.returncode == 0, f"{ids}\n{out.stdout}\n{out.stderr}"
+    sweep's bf16 cases and a few more with AVX2 code (a fresh process), whatever this host
+    runs by default."""
+    out = run_as_avx2("test_brgemm", "_no_dot_cases()")
+    assert out.returncode == 0, f"{[str(c) for c in _NO_DOT_CASES]}\n{out.stdout}\n{out.stderr}"
     assert out.stdout.strip() == f"ok {len(_NO_DOT_CASES)}"

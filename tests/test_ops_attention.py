@@ -183,20 +183,10 @@ def _bf16_cases_without_a_dot():
             _close(x, y, torch.bfloat16, scale=max(1.0, y.abs().max().item()))
 
 
-def test_bf16_without_a_dot_instruction_in_a_subprocess():
-    """bf16 attention where no bf16 dot instruction exists (AVX2 code: TPP_CPU_ISA=avx2, a
-    fresh process and disk cache), whatever this host runs by default."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_ops_attention as t\n"
-              "t._bf16_cases_without_a_dot(); print('ok')\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TPP_CPU_ISA="avx2", TPP_CACHE_DIR=cache)
-        out = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True,
-                             text=True, timeout=900)
+def test_bf16_without_a_dot_instruction_in_a_subprocess(run_as_avx2):
+    """bf16 attention where no bf16 dot instruction exists (AVX2 code, a fresh process),
+    whatever this host runs by default."""
+    out = run_as_avx2("test_ops_attention", "_bf16_cases_without_a_dot(); print('ok')", 900)
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     assert out.stdout.strip() == "ok"
 
