@@ -64,5 +64,8 @@ def test_has_dot_instruction_follows_the_target(monkeypatch):
     assert not tpp.has_dot_instruction("f32") and not tpp.has_dot_instruction("f16")
     monkeypatch.setenv("TPP_CPU_ISA", "avx2")
     assert not tpp.has_dot_instruction("bf16")
+    assert tpp.has_dot_instruction("bf16", "cpu") == tpp.has_dot_instruction("bf16")
     with pytest.raises(tpp.SpecError, match="unknown dtype"):
         tpp.has_dot_instruction("int3")
+    with pytest.raises(tpp.ArgumentError, match="device"):
+        tpp.has_dot_instruction("bf16", 3)

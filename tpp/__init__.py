@@ -47,14 +47,16 @@ def set_num_threads(n):
     registry.for_device(CPU).set_num_threads(n)
 
 
-def has_dot_instruction(dtype, device: Device = CPU) -> bool:
-    """Whether the code for `device` (default: this host's CPU, as TPP_CPU_ISA selects)
+def has_dot_instruction(dtype, device=CPU) -> bool:
+    """Whether the code for `device` (a Device, "kind[:index]" or a torch.device; default:
+    this host's CPU, as TPP_CPU_ISA selects)
     multiplies `dtype` pairs with a dot instruction of its own (bf16 on AVX-512 hosts with
     avx512_bf16): then a VNNI-packed B operand (brgemm(vnni_b=True)) runs at the dtype's
     own rate; elsewhere narrow inputs are widened to f32, and packing them into pairs only
     costs. An operator may choose its layouts by it."""
     from .core import dtypes
-    return dtypes.lookup(dtype).name in registry.for_device(device).dot_dtypes()
+    dt = dtypes.lookup(dtype)
+    return dt.name in registry.for_device(Device.parse(device)).dot_dtypes()
 
 
 @functools.lru_cache(maxsize=4096)
