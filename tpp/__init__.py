@@ -48,15 +48,15 @@ def set_num_threads(n):
 
 
 def has_dot_instruction(dtype, device=CPU) -> bool:
-    """Whether the code for `device` (a Device, "kind[:index]" or a torch.device; default:
-    this host's CPU, as TPP_CPU_ISA selects)
-    multiplies `dtype` pairs with a dot instruction of its own (bf16 on AVX-512 hosts with
-    avx512_bf16): then a VNNI-packed B operand (brgemm(vnni_b=True)) runs at the dtype's
-    own rate; elsewhere narrow inputs are widened to f32, and packing them into pairs only
-    costs. An operator may choose its layouts by it."""
+    """Whether the code for `device` multiplies `dtype` pairs with a dot instruction of its
+    own (bf16 on AVX-512 hosts with avx512_bf16): then a VNNI-packed B operand
+    (brgemm(vnni_b=True)) runs at the dtype's own rate; elsewhere narrow inputs are widened
+    to f32, and packing them into pairs only costs. An operator may choose its layouts by it.
+    device: a Device, "kind[:index]" or a torch.device (default: this host's CPU, with the
+    code TPP_CPU_ISA selects). An unknown dtype is a SpecError, a bad device an
+    ArgumentError."""
     from .core import dtypes
-    dt = dtypes.lookup(dtype)
-    return dt.name in registry.for_device(Device.parse(device)).dot_dtypes()
+    return dtypes.lookup(dtype).name in registry.for_device(Device.parse(device)).dot_dtypes()
 
 
 @functools.lru_cache(maxsize=4096)
