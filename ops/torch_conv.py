@@ -72,6 +72,18 @@ class _Packs:
         self.key, self.src, self.forward, self.transposed = key, src, None, None
 
 
+def _forward(x, weight, bias, stride, padding, dilation, groups, packs):
+    """(y, xb, wb, packs): ops.conv's forward of x (4-D) and what a backward reuses (see
+    ops.conv._conv2d), packs None where the layer runs as GEMMs on the weight as it is (a 1x1
+    layer: nothing packed), else its forward packed weight made if it was not yet."""
+    if packs is not None and _c.serves_pointwise(x, weight, stride, padding, dilation, groups):
+        packs = None
+    if packs is not None and packs.forward is None:
+        packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
+            weight, "weight"))
+    y, xb, wb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding, dilation,
+                           groups, None, None if packs is None else packs.forward)
+    return y, xb, wb, packs
 
 
 class Conv2dFunction(torch.autograd.Function):
@@ -80,14 +92,7 @@ class Conv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, groups, packs=None):
-        if packs is not None and _c.serves_pointwise(x, weight, stride, padding, dilation,
-                                                     groups):
-            packs = None        # a 1x1 layer runs as GEMMs on the weight as it is
-        if packs is not None and packs.forward is None:
-            packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
-                weight, "weight"))
-        y, xb, wb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding,
-                               dilation, groups, None, None if packs is None else packs.forward)
+        y, xb, wb, packs = _forward(x, weight, bias, stride, padding, dilation, groups, packs)
         ctx.save_for_backward(x, weight, bias)
         ctx.hyper = (stride, padding, dilation, groups)
         ctx.packs = packs
@@ -144,7 +149,11 @@ def _conv2d(input, weight, bias, stride, padding, dilation, groups, packs):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
     squeeze = input.dim() == 3
     x = input.unsqueeze(0) if squeeze else input
-    y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups, packs)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups, packs)
+    else:   # nothing to differentiate: the forward without autograd.Function's cost
+        y = _forward(x, weight, bias, stride, padding, dilation, groups, packs)[0]
     return y.squeeze(0) if squeeze else y
 
 

@@ -143,6 +143,33 @@ def test_module_drop_in():
                                F.conv2d(x.double(), ref.weight.double()))
 
 
+def test_module_without_autograd():
+    """Where nothing needs a gradient (no_grad, inference_mode, frozen parameters and an input
+    without grad) Conv2d skips the autograd.Function: same values as torch, no graph; a frozen
+    layer still passes the input's gradient on."""
+    torch.manual_seed(3)
+    ref = torch.nn.Conv2d(6, 70, 3, padding=1)       # 70 filters: a padded bias block
+    mine = tc.Conv2d(6, 70, 3, padding=1)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, 7, 7)
+    with torch.no_grad():
+        y = mine(x)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, ref(x), atol=1e-4, rtol=1e-4)
+    with torch.inference_mode():
+        torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+    for module in (mine, ref):
+        module.requires_grad_(False)
+    y = mine(x)
+    assert y.grad_fn is None
+    torch.testing.assert_close(y, ref(x), atol=1e-4, rtol=1e-4)
+    xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    mine(xm).square().sum().backward()
+    ref(xr).square().sum().backward()
+    torch.testing.assert_close(xm.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    assert mine.weight.grad is None
+
+
 def test_only_needed_grads():
     x = torch.randn(1, 3, 5, 5)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)
