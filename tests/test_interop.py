@@ -63,3 +63,20 @@ def test_objects_with_array_interface_and_dlpack():
         def __dlpack_device__(self):
             return t.__dlpack_device__()
     np.testing.assert_array_equal(tpp.unary("negate", 3, 4)(DL()), -a)
+
+
+def test_dtype_lookup_remembers_only_what_it_found():
+    """lookup answers numpy and torch dtypes from a table after the first time, the same
+    DType; an unknown dtype stays an error every time (nothing remembered for it)."""
+    from tpp.core import dtypes
+    from tpp.core.errors import SpecError
+    for _ in range(2):
+        assert dtypes.lookup(torch.float32) is tpp.F32
+        assert dtypes.lookup(torch.bfloat16) is tpp.BF16
+        assert dtypes.lookup(np.dtype(np.float32)) is tpp.F32
+        assert dtypes.lookup("bf16") is tpp.BF16
+        with pytest.raises(SpecError, match="unknown dtype"):
+            dtypes.lookup(torch.float64)
+        with pytest.raises(SpecError, match="unknown dtype"):
+            dtypes.lookup(np.dtype(">f4"))
+    assert torch.float64 not in dtypes._SEEN and "bf16" not in dtypes._SEEN

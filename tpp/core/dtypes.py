@@ -44,10 +44,16 @@ _ALIASES = {"float32": F32, "float": F32, "bfloat16": BF16, "float16": F16, "hal
 _BY_KEY.update(_ALIASES)
 
 
+_SEEN: dict = {}    # numpy / torch dtype -> its DType, for those looked up before
+
+
 def lookup(value) -> DType:
     """Return the DType named by a string, a numpy dtype/type or a torch dtype."""
     if isinstance(value, DType):
         return value
+    seen = _SEEN.get(value) if type(value) in _SEEN_TYPES else None
+    if seen is not None:        # an operator's every call asks: ~0.2 us instead of ~2
+        return seen
     key = value
     if isinstance(value, str):
         key = value.lower()
@@ -61,10 +67,25 @@ def lookup(value) -> DType:
             except TypeError:
                 key = value
     try:
-        return _BY_KEY[key]
+        found = _BY_KEY[key]
     except (KeyError, TypeError):
-        pass
-    raise SpecError(f"unknown dtype {value!r}: expected one of f32, bf16, f16")
+        raise SpecError(f"unknown dtype {value!r}: expected one of f32, bf16, f16") from None
+    if _remembers(value) and len(_SEEN) < 64:
+        _SEEN[value] = found
+    return found
+
+
+_SEEN_TYPES: set = set()    # the types of the values in _SEEN
+
+
+def _remembers(value) -> bool:
+    """Whether lookup may remember value: a numpy dtype or a torch dtype (hashable, and
+    equal only to the same dtype), not a string or a Python type."""
+    t = type(value)
+    if t.__module__.startswith("torch") or isinstance(value, np.dtype):
+        _SEEN_TYPES.add(t)
+        return True
+    return False
 
 
 def float_dtype(value, what: str) -> DType:
