@@ -183,6 +183,14 @@ def same_device(**named) -> Device:
     return next(iter(where), CPU)
 
 
+def wants_grad(*tensors) -> bool:
+    """Whether autograd records a call on these torch tensors (None allowed): grad mode is on
+    and one of them requires a gradient. The torch drop-ins skip their autograd.Function
+    (its cost and what it keeps for a backward) otherwise."""
+    import torch
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def reject_unknown(fn, unknown: dict):
     """ArgumentError if `unknown` (the **unknown a public entry point `fn` collected) is not
     empty, naming fn as users call it (ops.matmul, ops.blocked.transpose) and the keywords it

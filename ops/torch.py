@@ -244,9 +244,7 @@ def _linear(x, weight, bias, activation, pack):
     None), called only when the nests run (an empty weight cannot be packed)."""
     if x.numel() == 0 or weight.numel() == 0:
         return _torch_linear(x, weight, bias, activation)
-    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                         (bias is not None and bias.requires_grad))
-    if not grad:    # validated above (_check): straight to the packed GEMM
+    if not _host.wants_grad(x, weight, bias):   # validated (_check): straight to the GEMM
         return _plain(_ops.linear(x, _packed(pack(weight), weight), bias, activation))
     packed = pack(weight)
     return _apply(x, weight, bias, activation,
@@ -360,8 +358,7 @@ class Linear(torch.nn.Module):
             _check(x, weight, bias, activation)     # before packing the weight
             return _linear(x, weight, bias, activation, self._packed_of)
         # the thin path: checks and shapes as _linear's, without its general cases
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                        (bias is not None and bias.requires_grad)):
+        if _host.wants_grad(x, weight, bias):
             return _apply(x, weight, bias, activation, packed)
         return _ops.linear(x, packed.packed, bias, activation)  # 2-D: a new tensor, no view
 

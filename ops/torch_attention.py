@@ -64,6 +64,8 @@ import torch
 
 from tpp.core.errors import UnsupportedError
 
+from ._host import wants_grad as _wants_grad
+
 __all__ = ["scaled_dot_product_attention", "MultiheadAttention", "AttentionFunction"]
 
 F = torch.nn.functional
@@ -121,10 +123,6 @@ def _one_device(*tensors) -> bool:
     else:
         return True
     return len({t.device for t in tensors if t is not None}) == 1
-
-
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # ---------------------------------------------------------------- scaled_dot_product_attention

@@ -8,7 +8,8 @@
 Conv2d subclasses torch.nn.Conv2d and replaces only `forward`. Forward and backward run
 ops.conv's BRGEMM nests through an autograd.Function (the forward keeps x, its blocked copy
 for the weight gradient, and the weight; the backward computes only the gradients autograd
-asks for: data, weight, bias). Conv2d packs its weight once (forward and, at the first
+asks for: data, weight, bias); where autograd records nothing (no_grad, inference_mode, or
+no input or parameter requiring a gradient) the forward runs without it, keeping nothing. Conv2d packs its weight once (forward and, at the first
 backward, the data gradient's layout) and repacks when the weight's version counter moves
 (an in-place update such as an optimizer step) or the parameter is replaced. 1x1 layers that
 ops.conv runs as GEMMs on NCHW (no padding, groups 1, f32: ops.conv_pointwise) read
@@ -32,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import conv as _c
-from ._host import weight_key as _weight_key
+from ._host import wants_grad as _wants_grad, weight_key as _weight_key
 
 __all__ = ["Conv2d", "conv2d", "Conv2dFunction"]
 
@@ -149,8 +150,7 @@ def _conv2d(input, weight, bias, stride, padding, dilation, groups, packs):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
     squeeze = input.dim() == 3
     x = input.unsqueeze(0) if squeeze else input
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if _wants_grad(x, weight, bias):
         y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups, packs)
     else:   # nothing to differentiate: the forward without autograd.Function's cost
         y = _forward(x, weight, bias, stride, padding, dilation, groups, packs)[0]

@@ -56,6 +56,7 @@ import torch
 
 import ops as _ops
 from ops import _host
+from ops._host import wants_grad as _wants_grad
 from ops import norms as _norms
 from ops import residual_norm as _rn
 from ops import torch_attention as _ta
@@ -74,10 +75,6 @@ def _d(t):
 
 def _plain(t):
     return t.detach() if t._is_view() else t
-
-
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _seed(p):

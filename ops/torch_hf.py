@@ -70,6 +70,7 @@ import torch
 
 import ops as _ops
 from ops import _host
+from ops._host import wants_grad as _wants_grad
 
 __all__ = ["CONVERTERS", "register", "SelfAttentionMixin", "IntermediateMixin", "OutputMixin",
            "converted_class"]
@@ -96,10 +97,6 @@ def _takes(t) -> bool:
     """A plain strided CPU tensor (or Parameter) of f32 / bf16."""
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout is torch.strided
             and t.is_cpu and t.dtype in _DTYPES)
-
-
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _autocast() -> bool:

@@ -39,6 +39,7 @@ import torch
 from tpp.core.errors import ArgumentError
 
 from . import norms as _n
+from ._host import wants_grad as _wants_grad
 
 __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "softmax", "LayerNormFunction",
            "RMSNormFunction", "SoftmaxFunction"]
@@ -98,10 +99,6 @@ def _too_wide(shape, *params) -> bool:
     """Whether parameter gradients may be wanted for rows wider than the equations' axis-0
     reductions take (ops.norms.MAX_GRAD_COLS): then torch serves the call."""
     return math.prod(shape) > _n.MAX_GRAD_COLS and _wants_grad(*params)
-
-
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # ---------------------------------------------------------------- layer norm
