@@ -330,6 +330,10 @@ def test_bench_conv_tiny(tmp_path, capsys, monkeypatch):
             assert rec["unit"] == "ms" and rec["median"] > 0 and rec["extra"]["gflops"] > 0
             assert "torch" in rec["ratios"] and (f"net {kind} {dtype}", "torch") in net
         assert net[f"net fwd {dtype}", "tpp"]["extra"]["verified"] is True
+    call = {r["provider"]: r for r in records if r["case"] == "call"}    # a small layer's call
+    assert set(call) == {"tpp", "torch"}
+    assert call["tpp"]["unit"] == "us" and call["tpp"]["median"] > 0
+    assert "torch" in call["tpp"]["ratios"]
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])

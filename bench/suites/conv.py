@@ -31,6 +31,11 @@ channels. Cases (time per call, ms, and the network's GFLOP/s of convolutions an
              every parameter), per step
 both against the unconverted network (seeded init, same parameters) in the same interleaved
 rounds; the eval output is checked against torch's as the layers are.
+
+The cost of a call around a small kernel (case "call"): microseconds per call of a Conv2d
+module (16 -> 16 channels, 3x3, padding 1, bias) on one (1, 16, 8, 8) f32 image, no grad,
+its weight packed at an earlier call, against torch.nn.Conv2d with the same parameters
+(0.3 MFLOP: what is measured is the Python and dispatch around the nests). Every mode.
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ import numpy as np
 from . import register
 from ..timing import looped
 from ._common import (all_threads, big_settings, capped_group, compute_record, quick_sizes,
-                      team, time_record, torch_gflops)
+                      team, time_record, timed_group, torch_gflops)
 
 SUITE = "conv"
 # name: (C, K, H(=W), R(=S), stride, padding)
@@ -122,6 +127,36 @@ def run(ctx):
         if ctx.wants_dtype(dtype):
             for train in (False, True):
                 _run_net(ctx, mode, dtype, train, threads)
+    if ctx.wants_dtype("f32"):
+        _run_call(ctx, threads)
+
+
+CALL = (1, 16, 16, 8, 3, 1)     # the call case: N, C, K, H (= W), R (= S), padding
+
+
+def _run_call(ctx, threads):
+    """The call case (see the module docstring): a small layer's time per call."""
+    import ops.torch
+    torch = ctx.torch
+    n, c, k, h, r, padding = CALL
+    torch.manual_seed(8)
+    ref = torch.nn.Conv2d(c, k, r, padding=padding)
+    x = torch.randn(n, c, h, h)
+    runs, calls = {}, {}
+    with team(ctx, threads), torch.no_grad():
+        if ctx.wants("tpp"):
+            try:
+                mine = ops.torch.Conv2d(c, k, r, padding=padding)
+                mine.load_state_dict(ref.state_dict())
+                mine(x)         # packs the weight, compiles the nests
+                runs["tpp"], calls["tpp"] = looped(mine, x), "ops.torch.Conv2d(...)(x), no grad"
+            except Exception as exc:  # noqa: BLE001
+                ctx.failed("conv call tpp", exc)
+        runs["torch"], calls["torch"] = looped(ref, x), "torch.nn.Conv2d(...)(x), no grad"
+        results = timed_group(ctx, f"conv call {n}x{c}x{h}x{h} {r}x{r}", runs)
+    for provider, stats in results.items():
+        time_record(ctx, suite=SUITE, case="call", provider=provider, shape=CALL,
+                    stats=stats, unit="us", call=calls[provider], threads=threads)
 
 
 def _data(torch, case: Case, rng) -> dict:
