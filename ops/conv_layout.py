@@ -495,10 +495,10 @@ def _pad_bias(bias, groups, kg, bk, like):
     """bias (groups*kg,) as the nests read it: f32, each group's kg values padded with zeros
     to whole blocks of bk; an f32 bias that needs no padding is read as it is."""
     kgp = -(-kg // bk) * bk
-    if kgp == kg and _host.dtype_of(bias, "bias") == _dt.F32:
+    dt = _host.dtype_of(bias, "bias")
+    if kgp == kg and dt == _dt.F32:
         return _host.contiguous(bias)
     bp = _host.zeros((groups * kgp,), _dt.F32, like)
-    dt = _host.dtype_of(bias, "bias")
     _vector_nest(groups, kg, kgp, dt, _dt.F32, True)(_host.contiguous(bias), bp, threads=1)
     return bp
 

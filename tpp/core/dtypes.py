@@ -44,7 +44,8 @@ _ALIASES = {"float32": F32, "float": F32, "bfloat16": BF16, "float16": F16, "hal
 _BY_KEY.update(_ALIASES)
 
 
-_SEEN: dict = {}    # numpy / torch dtype -> its DType, for those looked up before
+_SEEN: dict = {}            # numpy / torch dtype -> its DType, for those looked up before
+_SEEN_TYPES: set = set()    # the types of the values in _SEEN
 
 
 def lookup(value) -> DType:
@@ -73,9 +74,6 @@ def lookup(value) -> DType:
     if _remembers(value) and len(_SEEN) < 64:
         _SEEN[value] = found
     return found
-
-
-_SEEN_TYPES: set = set()    # the types of the values in _SEEN
 
 
 def _remembers(value) -> bool:
