@@ -294,9 +294,12 @@ def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
     return _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed)[0]
 
 
-def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed):
+def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed,
+            pack=None):
     """(y, xb, wb): conv2d's output, the BlockedActivation of x and the packed weight it read
-    (a backward reuses them; both None on ops.conv_pointwise's GEMMs)."""
+    (a backward reuses them; both None on ops.conv_pointwise's GEMMs). pack: instead of
+    packed, a function returning the packed weight, called only where the blocked nest runs
+    (Conv2d's cache: a layer whose forward is GEMMs is never packed)."""
     x, weight, bias = _inputs(x, weight, bias)
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -307,8 +310,10 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
     packed = _check_packed(packed, weight, geo, False)
     # GEMMs (packed unused), but a packed weight is used for images that fill the GEMM's
     # vectors badly (eligible): without one, packing costs more than the blocked forward saves
-    if _pointwise_layer(geo, x, weight, bias, forward=packed is not None):
+    if _pointwise_layer(geo, x, weight, bias, forward=packed is not None or pack is not None):
         return _pointwise.forward(x, weight, bias, activation, geo), None, None
+    if pack is not None:
+        packed = _check_packed(pack(), weight, geo, False)
     wb = packed or pack_weight(weight, geo.groups, dt)
     xb = to_blocked(x, geo)
     return _forward(xb.data, wb.data, bias, geo, activation, x), xb, wb

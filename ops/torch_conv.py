@@ -9,11 +9,12 @@ Conv2d subclasses torch.nn.Conv2d and replaces only `forward`. Forward and backw
 ops.conv's BRGEMM nests through an autograd.Function (the forward keeps x, its blocked copy
 for the weight gradient, and the weight; the backward computes only the gradients autograd
 asks for: data, weight, bias); where autograd records nothing (no_grad, inference_mode, or
-no input or parameter requiring a gradient) the forward runs without it, keeping nothing. Conv2d packs its weight once (forward and, at the first
-backward, the data gradient's layout) and repacks when the weight's version counter moves
-(an in-place update such as an optimizer step) or the parameter is replaced. 1x1 layers that
-ops.conv runs as GEMMs on NCHW (no padding, groups 1, f32: ops.conv_pointwise) read
-the weight as it is: nothing is packed or kept for them.
+no input or parameter requiring a gradient) the forward runs without it, keeping nothing.
+Conv2d packs its weight once (forward and, at the first backward, the data gradient's
+layout) and repacks when the weight's version counter moves (an in-place update such as an
+optimizer step) or the parameter is replaced. 1x1 layers that ops.conv runs as GEMMs on NCHW
+(no padding, groups 1, f32: ops.conv_pointwise) read the weight as it is: nothing is packed
+or kept for them.
 
 CUDA tensors run the same nests on their GPU (ops.conv's device path: the results on the
 input's device, the module's packed weights kept per device; tensors on different devices:
@@ -75,16 +76,16 @@ class _Packs:
 
 def _forward(x, weight, bias, stride, padding, dilation, groups, packs):
     """(y, xb, wb, packs): ops.conv's forward of x (4-D) and what a backward reuses (see
-    ops.conv._conv2d), packs None where the layer runs as GEMMs on the weight as it is (a 1x1
-    layer: nothing packed), else its forward packed weight made if it was not yet."""
-    if packs is not None and _c.serves_pointwise(x, weight, stride, padding, dilation, groups):
-        packs = None
-    if packs is not None and packs.forward is None:
-        packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
-            weight, "weight"))
+    ops.conv._conv2d), packs None where the layer ran as GEMMs on the weight as it is (a 1x1
+    layer: nothing packed), else with its forward packed weight, made at its first use."""
+    def pack():
+        if packs.forward is None:
+            packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
+                weight, "weight"))
+        return packs.forward
     y, xb, wb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding, dilation,
-                           groups, None, None if packs is None else packs.forward)
-    return y, xb, wb, packs
+                           groups, None, None, None if packs is None else pack)
+    return y, xb, wb, None if wb is None else packs
 
 
 class Conv2dFunction(torch.autograd.Function):

@@ -14,8 +14,8 @@ Batch 4; --quick (and the default set): batch 1 and a 1x1, a 3x3 and a stride-2 
          every step) for x, w, b with one dy, vs the same with F.conv2d; 3x the forward's
          flops per step.
 NCHW in and out (each tpp call includes its NCHW <-> blocked conversions, except the 1x1
-layers: ops.conv_pointwise runs them as GEMMs on the NCHW data, nothing converted or packed). `peak_fraction`
-divides by the peak suite's one-core compute peak times the threads. Wall clock. tpp's
+layers: ops.conv_pointwise runs them as GEMMs on the NCHW data, nothing converted or
+packed). `peak_fraction` divides by the peak suite's one-core compute peak times the threads. Wall clock. tpp's
 forward is checked against torch's conv2d in f32 on the same values (tolerance: 1e-4 of the
 largest |value| for f32, 2e-2 for bf16).
 
