@@ -74,7 +74,7 @@ def expand_nest(groups, bc, hp, wp, s, sw, q, dtype, vnni=False, cols=None):
     zero last column where depth = s*cols + 1 (unpadded_depth)."""
     n = tpp.size("N")
     width = bc if cols is None else cols
-    depth = s * width + (s * width) % 2 if cols is not None else s * bc
+    depth = row_depth(s, bc, cols)
     nest = tpp.LoopNest("ABC", a=n, b=groups, c=hp)
     a, g, c = nest.vars
     xb = nest.tensor("xb", (n, groups, hp, wp, bc), dtype)
@@ -95,7 +95,7 @@ def expand(xb, bc, hp, wp, s, sw, q, dtype, vnni=False, cols=None):
     """xs for the blocked activation data xb (host); vnni: xsv (see expand_nest) instead;
     cols: the unpadded form's xs."""
     n, groups = xb.shape[0], xb.shape[1]
-    depth = s * cols + (s * cols) % 2 if cols is not None else s * bc
+    depth = row_depth(s, bc, cols)
     shape = (n, groups, hp, q, depth)
     xs = (_host.scratch("conv_taps_xs", shape, dtype) if vnni else
           _host.empty(shape, dtype, xb))
@@ -171,7 +171,13 @@ def unpadded_depth(geo):
     None (the padded form is used)."""
     if geo.dtype != _dt.BF16 or geo.cg == geo.bc:
         return None
-    return geo.s * geo.cg + (geo.s * geo.cg) % 2
+    return row_depth(geo.s, geo.bc, geo.cg)
+
+
+def row_depth(s, bc, cols=None):
+    """The length of an expanded row (expand's xs): the s taps' blocks of bc, or with cols,
+    the unpadded form's s*cols rounded up to even (whole VNNI pairs)."""
+    return s * bc if cols is None else s * cols + (s * cols) % 2
 
 
 @functools.lru_cache(maxsize=256)
