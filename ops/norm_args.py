@@ -30,24 +30,13 @@ def _rows(x, name):
     return x2, lead, dt
 
 
-_KNOWNDTYPES: dict = {}      # numpy / torch dtype object -> F32 or BF16 (those seen before)
-
-
 def _dtype(x, name):
-    native = getattr(x, "dtype", None)
+    """x's dtype, f32 or bf16 (tpp.core.dtypes.lookup remembers the dtypes it has seen)."""
     try:
-        dt = _KNOWNDTYPES.get(native)
-    except TypeError:   # unhashable
-        dt = None
-    if dt is not None:
-        return dt
-    try:
-        dt = _dt.lookup(native)
+        dt = _dt.lookup(getattr(x, "dtype", None))
     except Exception:   # noqa: BLE001 - any dtype tpp does not know
         dt = None
-    if dt in DTYPES:
-        _KNOWNDTYPES[native] = dt
-    else:
+    if dt not in DTYPES:
         raise ArgumentError(f"{name}: expected f32 or bf16 data, got {x.dtype}")
     return dt
 
