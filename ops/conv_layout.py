@@ -248,9 +248,10 @@ def write_nchw(nest, y, tile, at, pixels, kvar, kb, kg, bk, when):
 
 # ------------------------------------------------------------------ conversion nests
 @functools.lru_cache(maxsize=256)
-def _to_blocked_nest(groups, cg, h, w, bc, hb, wb, oh, ow, sh, sw, dtype):
+def _to_blocked_nest(groups, cg, h, w, bc, hb, wb, oh, ow, sh, sw, dtype, border=False):
     """x (N, groups*cg, h, w) -> xb (N, groups*Cb, hb, wb, bc): pixel (i, j) at
-    (oh + i*sh, ow + j*sw) (xb zeroed by the caller)."""
+    (oh + i*sh, ow + j*sw); border: the nest also zeroes the frame around the image (whole
+    channel blocks, stride 1), else xb's unwritten elements are zeroed by the caller."""
     n = tpp.size("N")
     nb = -(-cg // bc)
     nest = tpp.LoopNest("ABCD", a=n, b=groups, c=nb, d=h)
@@ -261,6 +262,13 @@ def _to_blocked_nest(groups, cg, h, w, bc, hb, wb, oh, ow, sh, sw, dtype):
         spec = tpp.make_unary("transpose", rows, w, ldi=h * w, ldo=sw * bc, dtype_in=dtype)
         nest.call(spec, x[a, g * cg + b * bc, c, 0], xb[a, g * nb + b, oh + c * sh, ow],
                   when=when)
+    if border:      # (rows, row-length in elements, first row, first column) of each strip
+        strips = [(oh, wb * bc, 0, 0), (hb - oh - h, wb * bc, oh + h, 0),
+                  (h, ow * bc, oh, 0), (h, (wb - ow - w) * bc, oh, ow + w)]
+        for rows, length, row, col in strips:
+            if rows and length:
+                spec = tpp.make_unary("zero", rows, length, ldo=wb * bc, dtype_in=dtype)
+                nest.call(spec, xb[a, g * nb + b, row, col], when=(c == 0,))
     return nest.compile()
 
 
@@ -370,12 +378,14 @@ def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> 
     nb = -(-geo.cg // bc)
     hb, wb = frame or (geo.hp, geo.wp)
     oh, ow = origin or (geo.pad[0], geo.pad[2])
-    # zeroed only where something is left unwritten: a frame, padded channels, scattered pixels
-    dense = ((hb, wb) == (geo.h, geo.w) and scatter == (1, 1) and nb * bc == geo.cg)
+    # zeroed only where something is left unwritten: by the nest where that is the frame
+    # alone, else (padded channels, scattered pixels) all of xb first
+    dense = scatter == (1, 1) and nb * bc == geo.cg
+    border = dense and (hb, wb) != (geo.h, geo.w)
     xb = (_host.empty if dense else _host.zeros)((n, geo.groups * nb, hb, wb, bc), geo.dtype, x)
     if n:
         nest = _to_blocked_nest(geo.groups, geo.cg, geo.h, geo.w, bc, hb, wb, oh, ow,
-                                scatter[0], scatter[1], geo.dtype)
+                                scatter[0], scatter[1], geo.dtype, border)
         nest(x, xb, threads=_threads(64 * _size(xb)))
     return BlockedActivation(xb, geo.c, geo.h, geo.w, geo.groups, bc,
                              (oh, hb - oh - geo.h, ow, wb - ow - geo.w))

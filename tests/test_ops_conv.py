@@ -170,6 +170,34 @@ def test_module_without_autograd():
     assert mine.weight.grad is None
 
 
+@pytest.mark.parametrize("kw", [dict(padding=1), dict(padding=(2, 0)), dict(padding=1, stride=2),
+                                dict(padding=2, dilation=2)])
+def test_frames_zeroed_whatever_memory_held(monkeypatch, kw):
+    """The blocked copies' zero frames are written, not assumed: with every fresh host array
+    full of NaN, padded convolutions (forward and both gradients) still equal torch's."""
+    from ops import _host
+
+    real = _host.empty
+
+    def poisoned(shape, dtype, like):
+        out = real(shape, dtype, like)
+        if dtype in (tpp.F32, tpp.BF16):
+            out[...] = float("nan")
+        return out
+    monkeypatch.setattr(_host, "empty", poisoned)
+    torch.manual_seed(4)
+    x = torch.randn(2, 6, 9, 8, requires_grad=True)
+    w = torch.randn(5, 6, 3, 3, requires_grad=True)
+    y = tc.conv2d(x, w, None, **kw)
+    yr = F.conv2d(x, w, None, **kw)
+    torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+    dy = torch.randn(yr.shape)
+    got = torch.autograd.grad(y, (x, w), dy)
+    want = torch.autograd.grad(yr, (x, w), dy)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
 def test_only_needed_grads():
     x = torch.randn(1, 3, 5, 5)
     w = torch.randn(4, 3, 3, 3, requires_grad=True)
