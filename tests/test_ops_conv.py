@@ -366,6 +366,29 @@ def test_bench_conv_tiny(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("k, c, r, s, groups", [
+    (128, 64, 3, 3, 1), (64, 128, 1, 1, 1), (256, 128, 2, 3, 2), (6, 6, 3, 3, 6),
+    (130, 70, 3, 3, 1),      # padded blocks: the two steps whatever the size
+])
+def test_forward_pack_by_slabs_equals_two_steps(monkeypatch, dtype, k, c, r, s, groups):
+    """pack_weight's one-pass form (slabs, for large f32 weights in whole blocks) packs what
+    the two-step form packs, bit for bit, and a convolution on it equals torch's."""
+    from ops import conv_layout
+    dt, tdt = {"f32": (tpp.F32, torch.float32), "bf16": (tpp.BF16, torch.bfloat16)}[dtype]
+    torch.manual_seed(k + c)
+    w = torch.randn(k, c // groups, r, s).to(tdt)
+    monkeypatch.setattr(conv_layout, "SLAB_BYTES", 1 << 60)
+    two_steps = conv_layout.pack_weight(w, groups, dt).data
+    monkeypatch.setattr(conv_layout, "SLAB_BYTES", 0)
+    slabs = conv_layout.pack_weight(w, groups, dt).data
+    assert torch.equal(slabs, two_steps)
+    if dtype == "f32":
+        x = torch.randn(2, c, 7, 6)
+        torch.testing.assert_close(tc.conv2d(x, w, None, 1, 1, 1, groups),
+                                   F.conv2d(x, w, None, 1, 1, 1, groups), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("k, c, r, s, groups", [
     (10, 6, 3, 3, 1),        # channels short of a block
     (130, 70, 3, 3, 1),      # channels past one block, tails
     (20, 12, 3, 1, 2),       # grouped, rectangular
