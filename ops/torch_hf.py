@@ -13,8 +13,9 @@ writes the same way convert alike:
 
   self-attention (BertSelfAttention: `query`, `key`, `value` Linear of one in_features,
   `dropout`, `num_attention_heads`, `attention_head_size`, `all_head_size`, forward
-  (hidden_states, attention_mask, past_key_values, **kwargs) -> (attn_output, attn_weights),
-  transformers 5's form):
+  (hidden_states, attention_mask, <cache>, **kwargs) -> (attn_output, attn_weights),
+  transformers 5's form, the cache argument named past_key_values up to 5.23 and cache from
+  5.24):
       qkv = linear(x, [Wq; Wk; Wv], [bq; bk; bv])     ONE GEMM (the concatenated weight is
                                                       rebuilt and repacked only when one of
                                                       the six parameters' version changes)
@@ -46,11 +47,12 @@ output recording hooks for output_attentions, its weight init) still match. Only
 replaced; every call the fused path does not serve runs the original class's forward:
 
   output_attentions (or any other recording of attention weights), a head_mask, a
-  past_key_values cache, cross-attention inputs, causal / decoder self-attention, masks that
-  are not plain tensors (flex attention's BlockMask), tensors not on the CPU or not f32 / bf16,
-  an input dtype other than the parameters', autocast, children that carry forward hooks or
-  pre-hooks, children replaced by types other than torch's Linear / LayerNorm / Dropout (or
-  the ops.torch drop-ins), and dropout probabilities >= 1 in training.
+  key/value cache (past_key_values or cache), cross-attention inputs, causal / decoder
+  self-attention, masks that are not plain tensors (flex attention's BlockMask), tensors not
+  on the CPU or not f32 / bf16, an input dtype other than the parameters', autocast, children
+  that carry forward hooks or pre-hooks, children replaced by types other than torch's
+  Linear / LayerNorm / Dropout (or the ops.torch drop-ins), and dropout probabilities >= 1
+  in training.
 
 Conversion refuses (raises ops.torch_convert.CannotServe, so optimize leaves the block as it
 is) modules whose forward signature is not the one above (older transformers versions), with
@@ -288,7 +290,10 @@ def _reduced_mask(mask, b, length):
     return m
 
 
-_SELF_ATTENTION_SIGNATURE = ("hidden_states", "attention_mask", "past_key_values")
+# the cache argument's names: past_key_values in transformers 5.0-5.23, cache from 5.24
+_CACHE_ARGUMENTS = ("past_key_values", "cache")
+_SELF_ATTENTION_SIGNATURES = tuple(("hidden_states", "attention_mask", cache)
+                                   for cache in _CACHE_ARGUMENTS)
 
 
 def _self_attention_matches(m) -> bool:
@@ -303,10 +308,10 @@ def _self_attention_matches(m) -> bool:
 
 def _self_attention_convert(m):
     names, var_kw = _params(m)
-    if names != _SELF_ATTENTION_SIGNATURE or not var_kw:
+    if names not in _SELF_ATTENTION_SIGNATURES or not var_kw:
         raise _cannot_serve(
             f"{type(m).__name__}.forward{names}: only transformers 5's self-attention forward "
-            f"(hidden_states, attention_mask, past_key_values, **kwargs) is converted")
+            f"(hidden_states, attention_mask, past_key_values | cache, **kwargs) is converted")
     if getattr(m, "is_causal", False) or getattr(m, "is_decoder", False):
         raise _cannot_serve("causal / decoder self-attention (is_causal or is_decoder)")
     if hasattr(m, "distance_embedding") or getattr(m, "position_embedding_type",
@@ -331,14 +336,18 @@ class SelfAttentionMixin(_Converted):
     # measured: one fused QKV GEMM vs three ops.torch.linear calls (see bench/suites/model.py)
     fused_qkv = True
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
-        out = self._fused(hidden_states, attention_mask, past_key_values, kwargs)
+    def forward(self, hidden_states, attention_mask=None, *cache, **kwargs):
+        # the cache goes on under whichever name (or position) the caller gave it: the base
+        # class's forward knows its own name for it
+        out = None if any(c is not None for c in cache) else \
+            self._fused(hidden_states, attention_mask, kwargs)
         if out is None:
-            return super().forward(hidden_states, attention_mask, past_key_values, **kwargs)
+            return super().forward(hidden_states, attention_mask, *cache, **kwargs)
         return out, None
 
-    def _fused(self, x, mask, past_key_values, kwargs):
-        if past_key_values is not None or kwargs.get("output_attentions"):
+    def _fused(self, x, mask, kwargs):
+        if kwargs.get("output_attentions") or \
+                any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return None
         for name in ("head_mask", "encoder_hidden_states", "encoder_attention_mask"):
             if kwargs.get(name) is not None:

@@ -182,6 +182,27 @@ def test_decoders_are_left_with_a_reason():
     assert type(fast.encoder.layer[0].attention.self).__name__ == "BertSelfAttention"
 
 
+def test_a_cache_runs_the_original_forward():
+    """A key/value cache, under either transformers 5 name or by position, goes on to the
+    original forward (which appends this call's keys and values to it)."""
+    model = _tiny()
+    fast = ops.torch.optimize(model)
+    orig, conv = model.encoder.layer[0].attention.self, fast.encoder.layer[0].attention.self
+    assert type(conv).__name__ == "TPPBertSelfAttention"
+    name = hf._params(orig)[0][2]                    # past_key_values (<= 5.23) or cache
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        want_cache, got_cache, pos_cache = (transformers.DynamicCache() for _ in range(3))
+        want = orig(x, None, **{name: want_cache})[0]
+        got = conv(x, None, **{name: got_cache})[0]
+        by_position = conv(x, None, pos_cache)[0]
+        plain = conv(x)[0]
+    for out in (got, by_position, plain):
+        assert (out - want).abs().max() <= 1e-5
+    for cache in (got_cache, pos_cache):
+        assert cache.get_seq_length() == want_cache.get_seq_length() == 5
+
+
 def test_fallbacks_and_pickling():
     model = _tiny()
     fast = ops.torch.optimize(model)
