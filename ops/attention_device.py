@@ -25,7 +25,6 @@ from tpp.runtime import arrays as _arrays
 from . import _host
 from . import attention_kernels as K
 from . import flash_attention as F
-from .attention_kernels import BK, BQ
 from .attention_inputs import _mask_slabs
 
 _DEVICE_CONSTANTS = None
@@ -147,6 +146,7 @@ def device_forward(pr):
     if not (b * h and sq):
         return out, lse
     hc, g = pr.hc, pr.group
+    BQ = BK = pr.block      # noqa: N806  (query and key block rows, as in the nests)
     hkc = hc // g
     nq, nk = -(-sq // BQ), -(-sk // BK)
     out3 = _dheads(_dbase(out), b * h, sq, d)
@@ -155,11 +155,11 @@ def device_forward(pr):
     lse_p = _dnew(pr, (b * h, nq * BQ), _dt.F32)
     qt, kt, vt = _dtail(pr, q3, BQ, hc), _dtail(pr, k3, BK, hkc), _dtail(pr, v3, BK, hkc)
     outt = _dnew(pr, (b * h if sq % BQ else hc, BQ, d), dt)
-    arrays = {"cm": _dconstant(pr, ("cm", sk % BK), F._key_tail_mask(sk)),
+    arrays = {"cm": _dconstant(pr, ("cm", sk % BK, BK), F._key_tail_mask(sk, BK)),
               "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
-              "ones": _dconstant(pr, "ones", F._ones()),
+              "ones": _dconstant(pr, ("ones", BK), F._ones(BK)),
               "qT": _dnew(pr, (hc, d, BQ), dt),
-              "work": _dnew(pr, (hc, K.work_size(d)), _dt.F32)}
+              "work": _dnew(pr, (hc, K.work_size(d, BQ)), _dt.F32)}
     if K.vnni(pr.options()):
         arrays.update(qV=_dnew(pr, (hc, (d + 1) // 2, 2 * BQ), dt),
                       pb=_dnew(pr, (hc, BK, BQ), dt), vV=_dnew(pr, (hc, BK // 2, 2 * d), dt))
@@ -188,6 +188,7 @@ def device_backward(pr, do4, o4, lse, need):
     dq, dk, dv = (_host.empty(shape, dt, pr.q) for shape in
                   ((b, h, sq, d), (b, hk, sk, d), (b, hk, sk, d)))
     hc, g = pr.hc, pr.group
+    BQ = BK = pr.block      # noqa: N806  (query and key block rows, as in the nests)
     hkc = hc // g
     nq, nk = -(-sq // BQ), -(-sk // BK)
     n, nkv = b * h, b * hk
@@ -208,7 +209,7 @@ def device_backward(pr, do4, o4, lse, need):
     _dcopy(_dview(_dbase(lse), 0, (n, sq)), _dview(lse_p, 0, (n, sq), (nq * BQ, 1)), _dt.F32)
     per_block = pr.mask_kind == "full"
     snq, snk = (1, nk) if per_block else (nq, 1)
-    arrays = {"cm": _dconstant(pr, ("cm", sk % BK), F._key_tail_mask(sk)),
+    arrays = {"cm": _dconstant(pr, ("cm", sk % BK, BK), F._key_tail_mask(sk, BK)),
               "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
               "delta": _dnew(pr, (hc, snq * BQ), _dt.F32),
               "gq": _dnew(pr, (hc, snq, BQ, d), _dt.F32),

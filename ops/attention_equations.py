@@ -1,8 +1,8 @@
 """The equations of one attention block step (ops.flash_attention), forward and backward.
 
-A score block is kept transposed, S^T = K_j Q_i^T: (BK x BQ), keys down and queries across,
-so a query's softmax statistics are reductions down the columns (see ops.attention_kernels for
-why). Each *_spec function gives the EquationSpec of one piece of a step for one Options (and
+A score block is kept transposed, S^T = K_j Q_i^T: (BK x BQ, both Options.block: 64, or less
+for short sequences), keys down and queries across, so a query's softmax statistics are
+reductions down the columns (see ops.attention_kernels for why). Each *_spec function gives the EquationSpec of one piece of a step for one Options (and
 the block's kind: the first key block, the causal diagonal, the padded tail); the nests in
 ops.attention_kernels call them. The backward step's equation is tpp.grad of the forward
 softmax graph with the forward's saved statistics substituted.
@@ -18,8 +18,8 @@ from tpp.core import dtypes as _dt
 from tpp.core import expr as X
 from tpp.runtime.lru import also_clear
 
-BQ = 64             # query rows per block (columns of a score block)
-BK = 64             # key rows per block (rows of a score block); == BQ: causal blocks align
+BLOCK = 64          # rows of the query and key blocks of sequences longer than 48;
+                    # the two are equal (causal blocks align): see block_for
 NEG_INF = -math.inf
 SEED_BLOCK_BITS = 16   # a block's seed: (CH + h) in the low word, j + (i << 16) in the high
 
@@ -45,6 +45,16 @@ class Options:
     negscale: bool = False      # scale < 0: the largest score is scale * the smallest s
     cuda: bool = False          # the variant for device backends (see attention_kernels):
                                 # no equation reduces over the rows of a block
+    block: int = BLOCK          # query rows and key rows per block (block_for)
+
+
+def block_for(sq: int, sk: int) -> int:
+    """The block size of a problem with sq queries and sk keys: BLOCK, or for sequences that
+    fit in one smaller block the next multiple of 16 (a vector of f32 on AVX-512, two on
+    AVX2): a short sequence's one block is not padded to 64 x 64 (S = 16: 1/16 of the work;
+    B1 H12 S16 D32 f32 forward 145 -> 56 us on the 2-core Zen 4, torch's SDPA 29)."""
+    n = max(sq, sk)
+    return BLOCK if n > BLOCK - 16 else max(16, -(-n // 16) * 16)
 
 
 # ---------------------------------------------------------------- equations
@@ -103,7 +113,7 @@ def vnni(o: Options) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def stats_row_spec(first: bool):
+def stats_row_spec(first: bool, block: int):
     """The statistics of the online-softmax step of block (i, j), as a (1 x BQ) equation on
     the column extremes c of its scores (the block's pass is the reduce TPP's): m (the running
     column maxima) updated in place, alpha = exp(m_old - m_new), l = alpha * l_old (the
@@ -112,7 +122,7 @@ def stats_row_spec(first: bool):
     the raw s (or min with a negative scale; scale * c is the largest z exactly, rounding
     being monotonic); on the others the max of z (scores_spec's, in place of s), scale 1.
     `first`: the first key block of a query block (no m_old / l_old, no alpha)."""
-    eq = tpp.equation(1, BQ)
+    eq = tpp.equation(1, block)
     cmax = eq.input("c") * eq.param("scale")
     if first:
         return eq.spec(m_out=cmax, safe=_finite_or_zero(cmax))
@@ -128,7 +138,7 @@ def probs_spec(o: Options, diag: bool, tail: bool):
     """P^T = exp(z - safe) over the S^T block (in place; with the bf16 path also rounded to
     bf16 into pb), safe from stats_row_spec: s * scale <= c * scale (the column extreme c),
     so z - safe <= 0. For unmasked blocks (the others: scores_spec, then exp_spec)."""
-    eq = tpp.equation(BK, BQ)
+    eq = tpp.equation(o.block, o.block)
     p = _exp_nonpos(_minus(_scores(eq, o, diag=diag, tail=tail), eq.input("sf", bcast="row")))
     if vnni(o):
         return eq.spec(p=p, pf=p, dtypes={"p": o.dtype})
@@ -142,36 +152,36 @@ def probs_rescale_spec(o: Options, diag: bool, tail: bool):
     after the first: the rescale's loads and stores overlap the exponentials' arithmetic
     instead of taking a pass of their own. alpha is per query: a row of acc (bcast col), a
     column of P^T (where sf is bcast row)."""
-    assert o.d == BK and not vnni(o)
-    eq = tpp.equation(BK, BQ)
+    assert o.d == o.block and not vnni(o)
+    eq = tpp.equation(o.block, o.block)
     p = _exp_nonpos(_minus(_scores(eq, o, diag=diag, tail=tail), eq.input("sf", bcast="row")))
     return eq.spec(p=p, acc_out=eq.input("acc") * eq.input("alpha", bcast="col"))
 
 
 @functools.lru_cache(maxsize=256)
-def rescale_spec(d: int):
+def rescale_spec(d: int, block: int):
     """acc (BQ x d) *= alpha (one factor per query row), in place."""
-    eq = tpp.equation(BQ, d)
+    eq = tpp.equation(block, d)
     acc = eq.input("acc")
     return eq.spec(acc_out=acc * eq.input("alpha", bcast="col"))
 
 
 @functools.lru_cache(maxsize=256)
-def finish_row_spec():
+def finish_row_spec(block: int):
     """The end of a query block, first half: inv = 1 / l (0 where l == 0: a query no key may
     see, which torch gives a row of 0) and lse = m + log(l) (-inf there), as a (1 x BQ)
     equation, a lane per query (vectors across the queries, not a log and a division per
     output row); scale_rows_spec then writes out = acc * inv."""
-    eq = tpp.equation(1, BQ)
+    eq = tpp.equation(1, block)
     l_in = eq.input("l")
     inv = X.select(X.compare("gt", l_in, 0.0), 1.0 / l_in, 0.0)
     return eq.spec(inv=inv, lse=eq.input("m") + eq.log(l_in))
 
 
 @functools.lru_cache(maxsize=256)
-def scale_rows_spec(d: int, dtype):
+def scale_rows_spec(d: int, dtype, block: int):
     """out = acc * inv (one factor per query row, finish_row_spec's) in the output's dtype."""
-    eq = tpp.equation(BQ, d)
+    eq = tpp.equation(block, d)
     return eq.spec(out=eq.input("acc") * eq.input("inv", bcast="col"), dtypes={"out": dtype})
 
 
@@ -187,7 +197,7 @@ def scale_rows_spec(d: int, dtype):
 def scores_spec(o: Options, diag: bool, tail: bool):
     """z = s * scale + masks (-inf for keys past the end or above the causal diagonal) over
     the S^T block, in place."""
-    eq = tpp.equation(BK, BQ)
+    eq = tpp.equation(o.block, o.block)
     return eq.spec(z=_scores(eq, o, diag=diag, tail=tail))
 
 
@@ -196,7 +206,7 @@ def exp_spec(o: Options):
     """P^T = exp(z - safe) over the z block, in place (f32: the column sums read it); the bf16
     path without dropout also rounds it to bf16 into p. safe is from the column maxima of
     this z, so z - safe <= 0."""
-    eq = tpp.equation(BK, BQ)
+    eq = tpp.equation(o.block, o.block)
     p = _exp_nonpos(eq.input("z") - eq.input("sf", bcast="row"))
     if vnni(o) and not o.dropout:
         return eq.spec(pf=p, p=p, dtypes={"p": o.dtype})
@@ -207,7 +217,7 @@ def exp_spec(o: Options):
 def drop_spec(o: Options):
     """P^T with dropout's keep bits (backward_step_spec's: a function of the block's seed and
     the element's index in it), in the dtype of P V's A operand (bf16 on the VNNI path)."""
-    eq = tpp.equation(BK, BQ)
+    eq = tpp.equation(o.block, o.block)
     return eq.spec(p=_dropped(eq, o, eq.input("pf")),
                    dtypes={"p": o.dtype if vnni(o) else _dt.F32})
 
@@ -228,7 +238,7 @@ def backward_step_spec(o: Options, diag: bool, tail: bool):
     a constant, is rewritten with the saved statistics: e -> exp(z - lse) (= P, the forward's
     probabilities), sum(e) -> 1, and its one column reduction sum(P * dP) -> Delta (the sum
     over *all* key blocks, which one block cannot see; Delta is that sum: dO . O)."""
-    eq = tpp.equation(BK, BQ)
+    eq = tpp.equation(o.block, o.block)
     z = _scores(eq, o, diag=diag, tail=tail)
     s = X.input("s")
     dpd = eq.input("dp")
@@ -253,10 +263,10 @@ def backward_step_spec(o: Options, diag: bool, tail: bool):
 
 
 @functools.lru_cache(maxsize=256)
-def delta_spec(d: int, dtype):
+def delta_spec(d: int, dtype, block: int):
     """Delta = rowsum(dO * O) of a (BQ x d) block: one value per query row. (The input is
     "dout", not "do": operand names become C identifiers in the CUDA backend's code.)"""
-    eq = tpp.equation(BQ, d)
+    eq = tpp.equation(block, d)
     return eq.spec(delta=eq.sum(eq.input("dout", dtype=dtype) * eq.input("o", dtype=dtype), 1))
 
 

@@ -9,7 +9,6 @@ from tpp.core.errors import ArgumentError
 from tpp.runtime import arrays as _arrays
 
 from . import _host
-from .attention_kernels import BK, BQ
 
 DTYPES = (_dt.F32, _dt.BF16)    # what q, k and v may hold
 
@@ -83,10 +82,11 @@ def _mask_to_host(mask):
 
 def _mask_slabs(pr, nq, nk):
     """(function giving the mask arrays of a chunk (and query block), mask heads): key masks
-    as (mheads, NK * 64) additive rows, full masks as (mheads, NK, 64, 64) transposed blocks
-    (key rows, query columns), padded keys -inf, padded queries 0."""
+    as (mheads, NK * BK) additive rows, full masks as (mheads, NK, BK, BQ) transposed blocks
+    (key rows, query columns; BQ = BK = pr.block), padded keys -inf, padded queries 0."""
     if pr.mask is None:
         return None, 1
+    BQ = BK = pr.block      # noqa: N806
     add = pr.mask
     mb, mh = add.shape[0], add.shape[1]
     hc = pr.hc

@@ -26,7 +26,9 @@ zero-padded copies of the last partial block of each head (q, k, v and, backward
 small: one block per head): the nest reads block i < SQ // BQ from the slab and the tail block
 (i == SQ // BQ) from the tail array; outputs likewise (the caller copies the tail rows back).
 Padded keys get -inf through the additive column input `cm` (0 for a valid key, -inf past the
-end), padded queries are computed and never stored.
+end), padded queries are computed and never stored. The block size (BQ = BK = Options.block)
+is 64, or for short sequences (both at most 48) the next multiple of 16 (block_for): a
+16-token sequence pads to a 16 x 16 block, not 64 x 64.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ import tpp
 from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
-from .attention_equations import (  # noqa: F401  (BQ, BK, Options, vnni: ops.flash_attention's)
-    BQ, BK, SEED_BLOCK_BITS, Options, vnni, stats_row_spec, probs_spec, probs_rescale_spec,
+from .attention_equations import (  # noqa: F401  (Options, vnni, block_for: ops.flash_attention's)
+    BLOCK, SEED_BLOCK_BITS, block_for, Options, vnni, stats_row_spec, probs_spec, probs_rescale_spec,
     rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
     delta_spec, scores_spec, exp_spec, drop_spec
 )
@@ -92,6 +94,7 @@ class Forward(_Nest):
     def __init__(self, o: Options):
         self.o = o
         d, dt, hc, group = o.d, o.dtype, o.hc, o.group
+        BQ = BK = o.block       # noqa: N806  (the module docstring's names)
         sq, sk = tpp.size("SQ"), tpp.size("SK")
         nq_full, nk_full = sq // BQ, sk // BK
         nk = (sk + BK - 1) // BK
@@ -128,7 +131,7 @@ class Forward(_Nest):
         tensor("scale", (1,))
         tensor("ones", (BK,))
         tensor("qT", (hc, d, BQ), dt)
-        tensor("work", (hc, work_size(d)))    # st, acc, m, l, alpha, sf, cx (see work_size)
+        tensor("work", (hc, work_size(d, BQ)))    # st, acc, m, l, alpha, sf, cx (see work_size)
         if bf:
             tensor("qV", (hc, (d + 1) // 2, 2 * BQ), dt)    # Q_i^T in VNNI pairs
             tensor("pb", (hc, BK, BQ), dt)                  # P^T rounded to bf16
@@ -168,7 +171,7 @@ class Forward(_Nest):
                   for first in (True, False)}
         sums = {first: _brgemm(1, BQ, BK, lda=BK, ldb=BQ, ldc=BQ, beta=0 if first else 1)
                 for first in (True, False)}
-        rescale, finish_row, finish = rescale_spec(d), finish_row_spec(), scale_rows_spec(d, dt)
+        rescale, finish_row, finish = rescale_spec(d, BQ), finish_row_spec(BQ), scale_rows_spec(d, dt, BQ)
         scale, ones, cm = t["scale"][0], t["ones"][0], t["cm"][0]
         extreme = tpp.make_unary("reduce_min" if o.negscale else "reduce_max", BK, BQ, axis=0)
         # Q_i read once in row order (a row reduction into cx, which the block's column
@@ -220,7 +223,7 @@ class Forward(_Nest):
                         else:
                             nest.call(extreme, st, cx, when=when)
                             fused = fuse and not first      # P^T and acc *= alpha, one pass
-                            for spec in (stats_row_spec(first), probs_rescale_spec(
+                            for spec in (stats_row_spec(first, BQ), probs_rescale_spec(
                                     o, diag, tail) if fused else probs_spec(o, diag, tail)):
                                 nest.call(spec, *[names[op.name] for op in spec.operands()],
                                           when=when)
@@ -260,24 +263,24 @@ class Forward(_Nest):
 
         call(scores_spec(o, diag, tail), dict(names, z=st))
         names = dict(names, z=st, pf=st, scale=one)
-        nest.call(_column_max(), st, names["c"], when=when)
-        call(stats_row_spec(first), names)
+        nest.call(_column_max(o.block), st, names["c"], when=when)
+        call(stats_row_spec(first, o.block), names)
         call(exp_spec(o), names)
         if o.dropout:
             nest.call(sums, one, st, names["l"], when=when)
             call(drop_spec(o), names, seed)
 
 
-def work_size(d: int) -> int:
+def work_size(d: int, block: int) -> int:
     """f32 elements of the forward's per-head scratch tensor `work`, one tensor (each tensor
-    of a nest call costs its Python overlap check): S^T (64 x 64), acc (64 x d), then the
-    (64,) rows m, l, alpha, sf, cx."""
-    return BK * BQ + BQ * d + 5 * BQ
+    of a nest call costs its Python overlap check): S^T (block x block), acc (block x d),
+    then the (block,) rows m, l, alpha, sf, cx."""
+    return block * block + block * d + 5 * block
 
 
-@functools.lru_cache(maxsize=1)
-def _column_max():
-    return tpp.make_unary("reduce_max", BK, BQ, axis=0)
+@functools.lru_cache(maxsize=8)
+def _column_max(block):
+    return tpp.make_unary("reduce_max", block, block, axis=0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -311,6 +314,7 @@ class Backward(_Nest):
     def __init__(self, o: Options):
         self.o = o
         d, dt, hc, group = o.d, o.dtype, o.hc, o.group
+        BQ = BK = o.block       # noqa: N806
         hk = hc // group
         sq, sk = tpp.size("SQ"), tpp.size("SK")
         nq_full, nk_full = sq // BQ, sk // BK
@@ -408,7 +412,7 @@ class Backward(_Nest):
                              beta=0)
             acc_q0 = _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True, dtype_a=_dt.F32,
                              dtype_b=dt, beta=0)
-        delta = delta_spec(d, dt)
+        delta = delta_spec(d, dt, BQ)
         # Q_i read once in row order (a row reduction into Delta_i's row, which the delta
         # equation overwrites next) before its transpose, and dO_i's transpose after the
         # delta equation has read dO_i by rows: as in the forward, the transpose's strided

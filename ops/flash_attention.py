@@ -28,8 +28,10 @@ Contract (torch.nn.functional.scaled_dot_product_attention's semantics):
   than f32 / bf16, mixed dtypes, an unknown keyword.
 
 Algorithm (FlashAttention; see ops.attention_kernels for the nests). Blocks of 64 query rows
-and 64 keys; the scores of block (i, j) never leave a 64 x 64 f32 scratch block, so memory
-beyond the inputs and outputs is O(S * D) per head. The forward's step for (i, j):
+and 64 keys (a problem whose longer sequence fits in 48 or fewer takes one block of the next
+multiple of 16 instead: attention_equations.block_for); the scores of block (i, j) never
+leave a 64 x 64 f32 scratch block, so memory beyond the inputs and outputs is O(S * D) per
+head. The forward's step for (i, j):
 S^T = K_j Q_i^T (BRGEMM), the online softmax (masked, diagonal, tail and dropout blocks: the
 scaled and masked z in place first; the column maxima by a reduce TPP, a (1 x 64) equation
 updating the running max m and sum l in place with alpha = exp(m_old - m_new), then P^T in
@@ -44,8 +46,9 @@ graph), dV_j += P^T dO_i, dK_j += dS^T Q_i, dQ_i += dS K_j (BRGEMMs, f32 accumul
 thread owning a kv head owns its query heads' dQ, so no two threads write one block.
 
 Compilation and calls: one forward and one backward nest per (head dim, dtype, heads per call,
-group, causal, mask kind, dropout p): a new batch size or sequence length compiles nothing
-(the sequence lengths are sizes of the nests). A nest serves HC consecutive heads of the
+group, causal, mask kind, dropout p, block size): a new batch size or sequence length
+compiles nothing once a length of its block class has run (the sequence lengths are sizes of
+the nests; the classes: the longer sequence up to 16, 32, 48, and longer). A nest serves HC consecutive heads of the
 flattened (B * H) heads (HC: the largest divisor of H that is a multiple of the group, at most
 MAX_UNROLL): loop expressions are affine, so one nest cannot index both a runtime head count
 and a runtime sequence length; this module calls it B * H / HC times, spread over Python
@@ -56,7 +59,7 @@ A forward without mask or dropout on contiguous host data reuses what an earlier
 same shapes, dtypes, causality and scale validated and derived (_plain_problem: the checks,
 the nest, its constant inputs), so its Python cost before the first nest call stays small.
 Memory: the inputs' per-call copies are the last partial block of each head (sequences not a
-multiple of 64); the forward's scratch is O(HC) blocks (its query blocks run in order inside a
+multiple of the block; held by the calling thread for its next calls up to _REUSED_BYTES); the forward's scratch is O(HC) blocks (its query blocks run in order inside a
 head); the backward's per worker O(HC * Sq * D) (f32 dQ accumulators, the packed query side),
 HC capped so that that stays near SCRATCH_PER_CALL (B1 H12 S8192 D64 f32 fwd+bwd: about 24 MB
 of peak RSS beyond inputs and outputs, tested in a subprocess); a mask is reblocked to an f32
@@ -95,7 +98,6 @@ from tpp.runtime.lru import also_clear
 
 from . import _host
 from . import attention_kernels as K
-from .attention_kernels import BK, BQ
 from .attention_inputs import _dtype, _mask, _mask_slabs, _numpy, _result
 from .attention_schedule import schedule
 
@@ -254,7 +256,8 @@ class _Problem:
         # and few enough blocks per call that the calls spread evenly over the threads, also
         # when a busy machine takes a thread's core away for a while (calls are handed out
         # one at a time, each a few ms)
-        blocks = max(1, -(-sq // BQ) * -(-sk // BK))
+        self.block = K.block_for(sq, sk)
+        blocks = max(1, -(-sq // self.block) * -(-sk // self.block))
         self.hc = _heads_per_call(h, self.group,
                                   max(1, min(SCRATCH_PER_CALL // (4 * max(sq, 1) * d),
                                              BLOCKS_PER_CALL // blocks)))
@@ -265,7 +268,7 @@ class _Problem:
     def options(self, mheads=1) -> K.Options:
         return K.Options(self.d, self.dt, self.hc, self.group, self.causal,
                          self.mask_kind == "key", self.mask_kind == "full", mheads, self.p,
-                         self.scale < 0, cuda=self.where is not None)
+                         self.scale < 0, cuda=self.where is not None, block=self.block)
 
     @property
     def serial(self) -> bool:
@@ -369,6 +372,27 @@ def _reused(key, make):
     return dict(arrays)
 
 
+def _held(role, shape, dtype):
+    """An array for the tail tensor `role` of one call (contents undefined): up to
+    _REUSED_BYTES, the calling thread's own, kept for its next calls (a short sequence is all
+    tail, and a fresh array's page faults cost more than copying into it: B8 H12 S40 D32,
+    three fresh input tails ~0.25 ms of a ~0.6 ms forward); larger ones fresh. Only for
+    arrays that no caller sees and that a call is done with when it returns."""
+    dtype = np.dtype(dtype)
+    if math.prod(shape) * dtype.itemsize > _REUSED_BYTES:
+        return np.empty(shape, dtype)
+    cache = getattr(_LOCAL, "tails", None)
+    if cache is None:
+        cache = _LOCAL.tails = {}
+    key = (role, tuple(shape), dtype)
+    arr = cache.get(key)
+    if arr is None:
+        if len(cache) >= 4 * _SCRATCH_KEYS:
+            cache.clear()
+        arr = cache[key] = np.empty(shape, dtype)
+    return arr
+
+
 def _tail(x3, block, heads, role):
     """The zero-padded last partial block of each head of x3 (N, S, D): (N, block, D), or
     a shared dummy of `heads` heads when S is a multiple of block (the nest never reads it
@@ -377,21 +401,22 @@ def _tail(x3, block, heads, role):
     r = s % block
     if r == 0:
         return _dummy(role, (heads, block, d), x3.dtype)
-    t = np.zeros((n, block, d), x3.dtype)
+    t = _held(role, (n, block, d), x3.dtype)
     t[:, :r] = x3[:, s - r:]
+    t[:, r:] = 0
     return t
 
 
-def _key_tail_mask(sk):
-    cm = np.zeros(BK, np.float32)
-    r = sk % BK
+def _key_tail_mask(sk, block):
+    cm = np.zeros(block, np.float32)
+    r = sk % block
     if r:
         cm[r:] = -np.inf
     return cm
 
 
-def _ones():
-    return np.ones(BK, np.float32)
+def _ones(block):
+    return np.ones(block, np.float32)
 
 
 def _chunk(arr, c, count):
@@ -411,6 +436,7 @@ def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
         from .attention_device import device_forward
         return device_forward(pr)
     b, h, hk, sq, sk, d, dt = pr.b, pr.h, pr.hk, pr.sq, pr.sk, pr.d, pr.dt
+    BQ = BK = pr.block      # noqa: N806  (query and key block rows, as in the nests)
     out = np.empty((b, h, sq, d), dt.numpy)
     nq = -(-sq // BQ)
     nk = -(-sk // BK)
@@ -425,26 +451,27 @@ def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
 
 def _forward_run(pr, out3, lse_p, nq, nk):
     hc, g, d, dt = pr.hc, pr.group, pr.d, pr.dt
+    BQ = BK = pr.block      # noqa: N806
     hkc = hc // g
     q3 = pr.q.reshape(-1, pr.sq, d)
     k3 = pr.k.reshape(-1, pr.sk, d)
     v3 = pr.v.reshape(-1, pr.sk, d)
     qt, kt, vt = _tail(q3, BQ, hc, "q"), _tail(k3, BK, hkc, "k"), _tail(v3, BK, hkc, "v")
-    outt = np.empty((q3.shape[0], BQ, d), dt.numpy) if pr.sq % BQ else \
+    outt = _held("out", (q3.shape[0], BQ, d), dt.numpy) if pr.sq % BQ else \
         _dummy("out", (hc, BQ, d), dt.numpy)
     got = pr.memo.get("fwd")
     if got is None:     # the nests' constant inputs (read only) and the options
-        shared = {"cm": _key_tail_mask(pr.sk), "scale": np.full(1, pr.scale, np.float32),
-                  "ones": _ones()}
+        shared = {"cm": _key_tail_mask(pr.sk, BK), "scale": np.full(1, pr.scale, np.float32),
+                  "ones": _ones(BK)}
         got = pr.memo["fwd"] = shared, K.vnni(pr.options())
     shared, vnni = got
 
     def scratch():
-        return dict(_reused(("fwd", hc, d, dt, vnni), fresh), **shared)
+        return dict(_reused(("fwd", hc, d, dt, vnni, BQ), fresh), **shared)
 
     def fresh():
         arrays = dict(qT=np.empty((hc, d, BQ), dt.numpy),
-                      work=np.empty((hc, K.work_size(d)), np.float32))
+                      work=np.empty((hc, K.work_size(d, BQ)), np.float32))
         if vnni:
             arrays.update(qV=np.empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
                           pb=np.empty((hc, BK, BQ), dt.numpy),
@@ -492,6 +519,7 @@ def _run_chunk(pr, nest, arrays, c, masks, nq, threads):
 # ---------------------------------------------------------------- backward
 def _backward_run(pr, do4, o4, lse, dq, dk, dv):
     hc, g, d, dt, sq, sk = pr.hc, pr.group, pr.d, pr.dt, pr.sq, pr.sk
+    BQ = BK = pr.block      # noqa: N806
     hkc = hc // g
     nq, nk = -(-sq // BQ), -(-sk // BK)
     q3, o3, do3 = (x.reshape(-1, sq, d) for x in (pr.q, o4, do4))
@@ -500,17 +528,17 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
     tails = {name: _tail(x3, BQ if name[0] in "qod" else BK, hc if name[0] in "qod" else hkc,
                          name) for name, x3 in (("qt", q3), ("ot", o3), ("dot", do3),
                                                 ("kt", k3), ("vt", v3))}
-    outs_t = {"dqt": np.empty((q3.shape[0], BQ, d), dt.numpy) if sq % BQ else
+    outs_t = {"dqt": _held("dqt", (q3.shape[0], BQ, d), dt.numpy) if sq % BQ else
               _dummy("dqt", (hc, BQ, d), dt.numpy),
-              "dkt": np.empty((k3.shape[0], BK, d), dt.numpy) if sk % BK else
+              "dkt": _held("dkt", (k3.shape[0], BK, d), dt.numpy) if sk % BK else
               _dummy("dkt", (hkc, BK, d), dt.numpy),
-              "dvt": np.empty((k3.shape[0], BK, d), dt.numpy) if sk % BK else
+              "dvt": _held("dvt", (k3.shape[0], BK, d), dt.numpy) if sk % BK else
               _dummy("dvt", (hkc, BK, d), dt.numpy)}
     lse_p = np.full((q3.shape[0], nq * BQ), np.inf, np.float32)
     lse_p[:, :sq] = lse.reshape(-1, sq)
     per_block = pr.mask_kind == "full"
     snq = 1 if per_block else nq
-    shared = {"cm": _key_tail_mask(sk), "scale": np.full(1, pr.scale, np.float32)}
+    shared = {"cm": _key_tail_mask(sk, BK), "scale": np.full(1, pr.scale, np.float32)}
 
     snk = nk if per_block else 1
     vnni = K.vnni(pr.options())
@@ -519,7 +547,7 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
 
     def scratch():
         if small:
-            return dict(_reused(("bwd", hc, hkc, snq, snk, d, dt, vnni, nest.direct),
+            return dict(_reused(("bwd", hc, hkc, snq, snk, d, dt, vnni, nest.direct, BQ),
                                 fresh), **shared)
         return dict(fresh(), **shared)
 

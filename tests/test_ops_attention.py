@@ -81,6 +81,8 @@ SHAPES = [
     (2, 4, 1, 65, 130, 32, False),      # GQA (one kv head), Sq != Sk
     (1, 2, 2, 130, 65, 64, True),       # causal with Sq > Sk (top-left aligned)
     (1, 2, 2, 7, 300, 80, False),
+    (2, 2, 2, 20, 27, 32, True),        # short sequences: 32-row blocks (block_for)
+    (1, 4, 2, 40, 33, 64, False),       # 48-row blocks, GQA
 ]
 
 
@@ -116,9 +118,10 @@ def _masks(b, h, sq, sk):
     ]
 
 
+@pytest.mark.parametrize("sq,sk", [(65, 70), (20, 27)])
 @pytest.mark.parametrize("which", range(5))
-def test_masks_vs_torch(which):
-    b, h, sq, sk = 2, 2, 65, 70
+def test_masks_vs_torch(which, sq, sk):
+    b, h = 2, 2
     mask = _masks(b, h, sq, sk)[which]
     _check(*_inputs(b, h, h, sq, sk, 32, seed=which), mask=mask)
 
@@ -153,7 +156,8 @@ def test_fully_masked_rows_give_zero():
 
 
 def test_bf16_vs_torch():
-    for b, h, hk, sq, sk, d, causal in [(1, 2, 2, 65, 65, 64, True), (2, 4, 2, 33, 70, 32, False)]:
+    for b, h, hk, sq, sk, d, causal in [(1, 2, 2, 65, 65, 64, True), (2, 4, 2, 33, 70, 32, False),
+                                        (1, 2, 1, 40, 40, 64, True), (2, 2, 2, 7, 5, 32, False)]:
         _check(*_inputs(b, h, hk, sq, sk, d, torch.bfloat16), causal=causal)
 
 
@@ -201,8 +205,9 @@ def _keep_bits(b, h, hk, sq, sk, p, seed):
     return out * (sk * (1 - p)) > 0.5
 
 
-def test_dropout_reproducible_and_backward_consistent():
-    b, h, hk, sq, sk, d, p = 1, 4, 2, 65, 64, 32, 0.25
+@pytest.mark.parametrize("sq,sk", [(65, 64), (30, 45)])
+def test_dropout_reproducible_and_backward_consistent(sq, sk):
+    b, h, hk, d, p = 1, 4, 2, 32, 0.25
     q, k, v, do = _inputs(b, h, hk, sq, sk, d)
     o1, lse = A.attention_forward(q, k, v, dropout_p=p, seed=11)
     o2 = A.attention(q, k, v, dropout_p=p, seed=11)
@@ -226,15 +231,26 @@ def test_dropout_reproducible_and_backward_consistent():
 
 
 def test_new_sizes_compile_nothing():
+    """A new batch size or sequence length compiles nothing once a length of its block class
+    has run (block_for: longest sequence up to 16, 32, 48 or longer)."""
     def both(b, sq, sk):
         q, k, v, do = _inputs(b, 2, 2, sq, sk, 64)
         out, lse = A.attention_forward(q, k, v, causal=True)
         A.attention_backward(do, q, k, v, out, lse, causal=True)
-    both(1, 65, 65)
+    for n in (65, 16, 32, 48):
+        both(1, n, n)
     before = tpp.cache_info()["compiled"]
-    for b, sq, sk in [(3, 1, 1), (2, 64, 300), (1, 200, 129), (4, 7, 7)]:
+    for b, sq, sk in [(3, 1, 1), (2, 64, 300), (1, 200, 129), (4, 7, 7), (2, 17, 30),
+                      (1, 40, 33), (2, 1, 49)]:
         both(b, sq, sk)
     assert tpp.cache_info()["compiled"] == before
+
+
+def test_short_sequences_take_small_blocks():
+    from ops.attention_equations import block_for
+    assert [block_for(n, n) for n in (1, 16, 17, 32, 33, 48, 49, 64, 65, 4096)] == \
+        [16, 16, 32, 32, 48, 48, 64, 64, 64, 64]
+    assert block_for(1, 40) == block_for(40, 1) == 48
 
 
 def test_threads_give_the_same_result():
