@@ -209,3 +209,21 @@ def test_nest_allows_the_identical_array_for_element_wise_calls_only():
     z = _f32(2, 8, 8)
     with pytest.raises(ArgumentError, match="t overlaps s"):
         transpose(z, z)
+
+
+def test_overlap_sweep_agrees_with_the_pairwise_verdict():
+    """_check_overlap's sweep in address order raises exactly where the pairwise judgement
+    does (random placements of the gemm nest's three tensors, sizes 0 included)."""
+    gemm = _gemm_nest()
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        addresses = [int(a) for a in rng.integers(0, 64, 3)]
+        nbytes = [int(n) for n in rng.integers(0, 24, 3)]
+        verdicts = []
+        for check in (gemm._check_overlap, gemm._judge_overlaps):
+            try:
+                check(addresses, nbytes)
+                verdicts.append(None)
+            except ArgumentError as exc:
+                verdicts.append(str(exc))
+        assert verdicts[0] == verdicts[1], (addresses, nbytes)
