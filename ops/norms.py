@@ -88,6 +88,7 @@ from tpp.runtime.lru import also_clear
 from tpp.core.spec import mask_bytes
 
 from . import _host
+from . import norm_plans as _plans
 from .blocked import column_sums
 from .norm_graphs import _BUILDERS, _grad, _lean, _saved  # noqa: F401  (ops.residual_norm uses them)
 from .norm_graphs import per_row_terms
@@ -210,11 +211,13 @@ STREAM_BYTES = 8 << 20
 also_clear(_nest.cache_clear)      # tpp.clear_caches() empties it too
 
 
-def _run(kind, n, options, arrays, outputs, like, m, seed=None):
+def _run(kind, n, options, arrays, outputs, like, m, seed=None, plan=None):
     """Run the nest of (kind, n, options) on the input arrays; outputs: name -> dtype of the
     results wanted (allocated here: block (m, n), col (m,), partial rows summed to (n,)).
     like (x's rows) on a device: every array must be there (ArgumentError naming a mix), the
-    results are allocated there and the nest's device form runs there."""
+    results are allocated there and the nest's device form runs there. plan: the call's
+    ops.norm_plans signature (or None), under which a host nest writing block outputs only is
+    recorded for the planned calls."""
     t = type(like)
     if t is np.ndarray or (t in _host._CPU_TENSOR_TYPES and like.is_cpu) \
             or not _host.on_device(like):
@@ -240,6 +243,9 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None):
             results[name] = arrays[name] = empty((m,), _dt.F32, like)
     if m:
         nest.run(arrays, m, seed)      # a host / device mix: ArgumentError naming them
+        if plan is not None and not nest.device and not nest.seeded and \
+                all(layout == "block" for _, layout, _ in nest.outputs):
+            _plans.remember(plan, nest, m, n, {k: arrays[k] for k in _PARAMS if k in arrays})
     for name, part in partials.items():
         out = _host.zeros((n,), outputs[name], like) if m == 0 else \
             _host.empty((n,), outputs[name], like)
@@ -267,7 +273,12 @@ _PARAMS = ("eps", "scale")      # the equations' f32 scalar parameters
 def layer_norm(x, weight=None, bias=None, eps=1e-5, **unknown):
     """torch.nn.functional.layer_norm(x, (n,), weight, bias, eps) over the last axis."""
     _host.reject_unknown(layer_norm, unknown)
-    return _layer_norm(x, weight, bias, eps, False)[0]
+    plan = _plans.signature("ln_fwd", x, (weight, bias), (eps,))
+    if plan is not None:
+        got = _plans.run(plan, x, {"weight": weight, "bias": bias})
+        if got is not None:
+            return got["y"]
+    return _layer_norm(x, weight, bias, eps, False, plan)[0]
 
 
 def layer_norm_forward(x, weight=None, bias=None, eps=1e-5, **unknown):
@@ -276,7 +287,7 @@ def layer_norm_forward(x, weight=None, bias=None, eps=1e-5, **unknown):
     return _layer_norm(x, weight, bias, eps, True)
 
 
-def _layer_norm(x, weight, bias, eps, stats):
+def _layer_norm(x, weight, bias, eps, stats, plan=None):
     x2, lead, dt = _rows(x, "x")
     m, n = x2.shape
     weight, bias = _vector(weight, n, "weight"), _vector(bias, n, "bias")
@@ -287,7 +298,7 @@ def _layer_norm(x, weight, bias, eps, stats):
     if bias is not None:
         arrays["bias"] = bias
     res = _run("ln_fwd", n, (dt, wdt, weight is not None, bias is not None, stats), arrays,
-               {}, x2, m)
+               {}, x2, m, plan=plan)
     y = res["y"].reshape(*lead, n)
     if not stats:
         return (y,)
@@ -327,7 +338,12 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, bias=True, need=(True
 def rms_norm(x, weight=None, eps=1e-6, **unknown):
     """x / sqrt(mean(x^2) + eps) * weight over the last axis (torch.nn.functional.rms_norm)."""
     _host.reject_unknown(rms_norm, unknown)
-    return _rms_norm(x, weight, eps, False)[0]
+    plan = _plans.signature("rms_fwd", x, (weight,), (eps,))
+    if plan is not None:
+        got = _plans.run(plan, x, {"weight": weight})
+        if got is not None:
+            return got["y"]
+    return _rms_norm(x, weight, eps, False, plan)[0]
 
 
 def rms_norm_forward(x, weight=None, eps=1e-6, **unknown):
@@ -336,7 +352,7 @@ def rms_norm_forward(x, weight=None, eps=1e-6, **unknown):
     return _rms_norm(x, weight, eps, True)
 
 
-def _rms_norm(x, weight, eps, stats):
+def _rms_norm(x, weight, eps, stats, plan=None):
     x2, lead, dt = _rows(x, "x")
     m, n = x2.shape
     weight = _vector(weight, n, "weight")
@@ -344,7 +360,8 @@ def _rms_norm(x, weight, eps, stats):
     arrays = {"x": x2, "eps": _scalar(_eps(eps))}
     if weight is not None:
         arrays["weight"] = weight
-    res = _run("rms_fwd", n, (dt, wdt, weight is not None, stats), arrays, {}, x2, m)
+    res = _run("rms_fwd", n, (dt, wdt, weight is not None, stats), arrays, {}, x2, m,
+               plan=plan)
     y = res["y"].reshape(*lead, n)
     return (y, res["rstd"].reshape(lead)) if stats else (y,)
 
@@ -378,6 +395,13 @@ def softmax(x, *, mask=None, scale=None, **unknown):
     2-D view's shape (rows, n), or one row (n,) for every row; any other shape that numpy
     broadcasting takes to x's shape is expanded to (rows, n) first (a copy)."""
     _host.reject_unknown(softmax, unknown)
+    plan = None
+    if mask is None and scale is None:
+        plan = _plans.signature("sm_fwd", x, (), ())
+        if plan is not None:
+            got = _plans.run(plan, x, {})
+            if got is not None:
+                return got["y"]
     x2, lead, dt = _rows(x, "x")
     m, n = x2.shape
     arrays = {"x": x2}
@@ -397,7 +421,7 @@ def softmax(x, *, mask=None, scale=None, **unknown):
         else:
             layout, mask = "block", _expand(mask, tuple(x.shape), m, n)
         arrays["mask"] = mask
-    res = _run("sm_fwd", n, (dt, layout, mdt, scaled), arrays, {}, x2, m)
+    res = _run("sm_fwd", n, (dt, layout, mdt, scaled), arrays, {}, x2, m, plan=plan)
     return res["y"].reshape(*lead, n)
 
 

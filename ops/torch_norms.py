@@ -38,6 +38,8 @@ import torch
 
 from tpp.core.errors import ArgumentError
 
+from . import _host
+from . import norm_plans as _plans
 from . import norms as _n
 from ._host import wants_grad as _wants_grad
 
@@ -45,6 +47,10 @@ __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "softmax", "LayerNo
            "RMSNormFunction", "SoftmaxFunction"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
+_EPS = {t: torch.finfo(t).eps for t in _DTYPES}     # rms_norm's eps=None
+# the planned calls take the modules' Parameters as they are (ops._host would learn both
+# types at its first sight of each; a planned call's signature needs them known now)
+_host._CPU_TENSOR_TYPES.update((torch.Tensor, torch.nn.Parameter))
 F = torch.nn.functional
 
 
@@ -139,8 +145,28 @@ def _torch_grads(fn, inputs, need, dy):
     return tuple(next(grads) if n and t is not None else None for t, n in zip(inputs, need))
 
 
+def _planned(kind, input, last, normalized_shape, params, eps):
+    """y of a call that needs no autograd, with a 1-D normalized_shape of the input's last
+    dim, whose signature ops.norm_plans has a plan for (a checked call served it before), or
+    None: the caller's checked path decides."""
+    if (type(normalized_shape) is int and normalized_shape == last) or (
+            type(normalized_shape) is tuple and len(normalized_shape) == 1
+            and normalized_shape[0] == last):
+        plan = _plans.signature(kind, input, tuple(params.values()), (eps,))
+        if plan is not None and not _wants_grad(input, *params.values()):
+            got = _plans.run(plan, input, params)
+            if got is not None:
+                return got["y"]
+    return None
+
+
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     """torch.nn.functional.layer_norm on TPPs (see the module docstring for the fallbacks)."""
+    if type(input) is torch.Tensor and input.dim():
+        y = _planned("ln_fwd", input, input.shape[-1], normalized_shape,
+                     {"weight": weight, "bias": bias}, eps)
+        if y is not None:
+            return y
     shape = _normalized(normalized_shape)
     if not isinstance(input, torch.Tensor):
         raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
@@ -189,6 +215,11 @@ class RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """torch.nn.functional.rms_norm on TPPs; eps None: torch.finfo(input.dtype).eps."""
+    if type(input) is torch.Tensor and input.dim() and input.dtype in _DTYPES:
+        y = _planned("rms_fwd", input, input.shape[-1], normalized_shape, {"weight": weight},
+                     _EPS[input.dtype] if eps is None else eps)
+        if y is not None:
+            return y
     shape = _normalized(normalized_shape)
     if not isinstance(input, torch.Tensor):
         raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
@@ -236,6 +267,12 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
         raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
     if dim is None:
         return F.softmax(input, dim, _stacklevel + 1, dtype=dtype)
+    if type(input) is torch.Tensor and dtype is None and type(dim) is int and (
+            dim == -1 or dim == input.dim() - 1) and not _wants_grad(input):
+        plan = _plans.signature("sm_fwd", input, (), ())
+        got = None if plan is None else _plans.run(plan, input, {})
+        if got is not None:
+            return got["y"]
     if dtype is not None:
         input = input.to(dtype)
     if not _servable(input) or input.dim() == 0 or input.numel() == 0:

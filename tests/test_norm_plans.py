@@ -1,0 +1,112 @@
+"""ops.norm_plans: a call whose signature a checked call served before runs the recorded nest
+directly. Planned results equal the checked ones bit for bit, every argument that is not part
+of a signature (the data, eps's value, a weight changed in place) is honoured, and arguments
+outside the signature take the checked path (its errors, its autograd)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ops.norm_plans as plans
+import ops.norms as N
+from tpp.core.errors import ArgumentError
+
+torch = pytest.importorskip("torch")
+import ops.torch_norms as tn  # noqa: E402
+
+F = torch.nn.functional
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The number of planned calls that ran (plans.run returning results)."""
+    hits = [0]
+    real = plans.run
+
+    def run(*args):
+        got = real(*args)
+        hits[0] += got is not None
+        return got
+    monkeypatch.setattr(plans, "run", run)
+    plans._PLANS.clear()
+    yield hits
+    plans._PLANS.clear()
+
+
+def _calls(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 40, generator=g).to(dtype)
+    w, b = (torch.randn(40, generator=g).to(dtype) for _ in range(2))
+    xn, wn, bn = (t.float().numpy() for t in (x, w, b))
+    ln, rms = torch.nn.LayerNorm(40).to(dtype), torch.nn.RMSNorm(40).to(dtype)
+    tln, trms = tn.LayerNorm(40).to(dtype), tn.RMSNorm(40).to(dtype)
+    for mod in (ln, tln, rms, trms):
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+    tln.load_state_dict(ln.state_dict())
+    trms.load_state_dict(rms.state_dict())
+    return [   # (name, the TPP call, the reference or None)
+        ("ln numpy", lambda: N.layer_norm(xn, wn, bn, 1e-3), None),
+        ("rms numpy", lambda: N.rms_norm(xn, wn), None),
+        ("softmax numpy", lambda: N.softmax(xn), None),
+        ("LayerNorm", lambda: tln(x), lambda: ln(x)),
+        ("RMSNorm eps None", lambda: trms(x), lambda: rms(x)),
+        ("layer_norm int shape", lambda: tn.layer_norm(x, 40, w, None), lambda: F.layer_norm(
+            x, (40,), w, None)),
+        ("softmax", lambda: tn.softmax(x, -1), lambda: F.softmax(x, -1)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planned_calls_equal_the_checked_ones(counted, dtype):
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, call, ref in _calls(dtype):
+        if dtype == torch.bfloat16 and "numpy" in name:
+            continue
+        with torch.no_grad():
+            before = counted[0]
+            checked = call()            # records the plan
+            planned = [call(), call()]
+            assert counted[0] == before + 2, name
+            for got in planned:
+                assert type(got) is type(checked) and got.shape == checked.shape
+                assert got.dtype == checked.dtype
+                np.testing.assert_array_equal(np.asarray(torch.as_tensor(got).float()),
+                                              np.asarray(torch.as_tensor(checked).float()))
+            if ref is not None:
+                torch.testing.assert_close(planned[0].float(), ref().float(), **tol)
+
+
+def test_planned_calls_follow_their_arguments(counted):
+    x = torch.randn(4, 24)
+    ln = tn.LayerNorm(24)
+    with torch.no_grad():
+        ln(x)
+        ln(x)
+        assert counted[0] == 1
+        x2 = torch.randn(4, 24)                 # new data, same signature
+        torch.testing.assert_close(ln(x2), F.layer_norm(x2, (24,), ln.weight, ln.bias))
+        ln.weight.mul_(3.0)                     # a parameter changed in place
+        torch.testing.assert_close(ln(x2), F.layer_norm(x2, (24,), ln.weight, ln.bias))
+        ln.eps = 0.5                            # another eps: another signature
+        torch.testing.assert_close(ln(x2), F.layer_norm(x2, (24,), ln.weight, ln.bias, 0.5))
+        xt = torch.randn(24, 4).t()             # not contiguous: the checked path
+        torch.testing.assert_close(ln(xt), F.layer_norm(xt, (24,), ln.weight, ln.bias, 0.5))
+        with pytest.raises(ArgumentError):      # a weight of another shape still fails
+            tn.layer_norm(x, (24,), torch.ones(23), None)
+    # with autograd on, the planned path is never taken: gradients flow
+    xg = x.clone().requires_grad_()
+    ln(xg).sum().backward()
+    ref = xg.detach().clone().requires_grad_()
+    F.layer_norm(ref, (24,), ln.weight, ln.bias, 0.5).sum().backward()
+    torch.testing.assert_close(xg.grad, ref.grad)
+
+
+def test_numpy_and_torch_do_not_share_plans(counted):
+    x = np.random.default_rng(0).standard_normal((2, 16), dtype=np.float32)
+    N.softmax(x)
+    N.softmax(x)
+    got = N.softmax(torch.from_numpy(x))        # same shape and dtype, another kind
+    assert isinstance(got, torch.Tensor)
+    torch.testing.assert_close(got, torch.softmax(torch.from_numpy(x), -1))
