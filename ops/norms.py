@@ -216,8 +216,8 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None, plan=None):
     results wanted (allocated here: block (m, n), col (m,), partial rows summed to (n,)).
     like (x's rows) on a device: every array must be there (ArgumentError naming a mix), the
     results are allocated there and the nest's device form runs there. plan: the call's
-    ops.norm_plans signature (or None), under which a host nest writing block outputs only is
-    recorded for the planned calls."""
+    ops.norm_plans signature (or None), under which a host nest without seeds is recorded for
+    the planned calls (_planned)."""
     t = type(like)
     if t is np.ndarray or (t in _host._CPU_TENSOR_TYPES and like.is_cpu) \
             or not _host.on_device(like):
@@ -231,6 +231,16 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None, plan=None):
         _on_device(arrays, like)
         nest = _nest(kind, n, options, False, True)
         empty = _host.empty
+    results = _execute(nest, n, arrays, outputs, like, m, seed, empty)
+    if plan is not None and m and not nest.device and not nest.seeded:
+        _plans.remember(plan, (nest, m, n, {k: arrays[k] for k in _PARAMS if k in arrays},
+                               outputs))
+    return results
+
+
+def _execute(nest, n, arrays, outputs, like, m, seed, empty):
+    """_run's work once the nest is chosen: the outputs allocated (empty), the nest run, the
+    partial rows summed."""
     results, partials = {}, {}
     for name, layout, dt in nest.outputs:
         if layout == "vector":
@@ -243,9 +253,6 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None, plan=None):
             results[name] = arrays[name] = empty((m,), _dt.F32, like)
     if m:
         nest.run(arrays, m, seed)      # a host / device mix: ArgumentError naming them
-        if plan is not None and not nest.device and not nest.seeded and \
-                all(layout == "block" for _, layout, _ in nest.outputs):
-            _plans.remember(plan, nest, m, n, {k: arrays[k] for k in _PARAMS if k in arrays})
     for name, part in partials.items():
         out = _host.zeros((n,), outputs[name], like) if m == 0 else \
             _host.empty((n,), outputs[name], like)
@@ -253,6 +260,26 @@ def _run(kind, n, options, arrays, outputs, like, m, seed=None, plan=None):
             column_sums(part, out)
         results[name] = out
     return results
+
+
+def _planned(key, like, given):
+    """The results of the call of signature key (ops.norm_plans) as _run gives them ((m, n)
+    blocks, (m,) columns, (n,) sums) from the plan a checked call of that signature recorded,
+    or None where there is none. given: tensor name -> array in the caller's shapes (blocks
+    of like's shape, columns of its leading shape, rows (n,); None entries left out)."""
+    plan = _plans.lookup(key)
+    if plan is None:
+        return None
+    nest, m, n, constants, outputs = plan
+    arrays = dict(constants)
+    layouts = nest.layouts
+    for name, a in given.items():
+        if a is not None:
+            layout = layouts[name]
+            arrays[name] = a.reshape(m, n) if layout == "block" else \
+                a.reshape(m) if layout == "col" else a
+    return _execute(nest, n, arrays, outputs, like, m, None,
+                    _np_empty if type(like) is np.ndarray else _host.empty)
 
 
 def _on_device(arrays, like):
@@ -273,12 +300,7 @@ _PARAMS = ("eps", "scale")      # the equations' f32 scalar parameters
 def layer_norm(x, weight=None, bias=None, eps=1e-5, **unknown):
     """torch.nn.functional.layer_norm(x, (n,), weight, bias, eps) over the last axis."""
     _host.reject_unknown(layer_norm, unknown)
-    plan = _plans.signature("ln_fwd", x, (weight, bias), (eps,))
-    if plan is not None:
-        got = _plans.run(plan, x, {"weight": weight, "bias": bias})
-        if got is not None:
-            return got["y"]
-    return _layer_norm(x, weight, bias, eps, False, plan)[0]
+    return _layer_norm(x, weight, bias, eps, False)[0]
 
 
 def layer_norm_forward(x, weight=None, bias=None, eps=1e-5, **unknown):
@@ -287,18 +309,23 @@ def layer_norm_forward(x, weight=None, bias=None, eps=1e-5, **unknown):
     return _layer_norm(x, weight, bias, eps, True)
 
 
-def _layer_norm(x, weight, bias, eps, stats, plan=None):
-    x2, lead, dt = _rows(x, "x")
-    m, n = x2.shape
-    weight, bias = _vector(weight, n, "weight"), _vector(bias, n, "bias")
-    wdt = _param_dtype(weight, bias, dt)
-    arrays = {"x": x2, "eps": _scalar(_eps(eps))}
-    if weight is not None:
-        arrays["weight"] = weight
-    if bias is not None:
-        arrays["bias"] = bias
-    res = _run("ln_fwd", n, (dt, wdt, weight is not None, bias is not None, stats), arrays,
-               {}, x2, m, plan=plan)
+def _layer_norm(x, weight, bias, eps, stats):
+    plan = _plans.signature("ln_fwd", x, (weight, bias), (eps, stats))
+    res = _planned(plan, x, {"x": x, "weight": weight, "bias": bias})
+    if res is not None:
+        lead, n = x.shape[:-1], x.shape[-1]
+    else:
+        x2, lead, dt = _rows(x, "x")
+        m, n = x2.shape
+        weight, bias = _vector(weight, n, "weight"), _vector(bias, n, "bias")
+        wdt = _param_dtype(weight, bias, dt)
+        arrays = {"x": x2, "eps": _scalar(_eps(eps))}
+        if weight is not None:
+            arrays["weight"] = weight
+        if bias is not None:
+            arrays["bias"] = bias
+        res = _run("ln_fwd", n, (dt, wdt, weight is not None, bias is not None, stats), arrays,
+                   {}, x2, m, plan=plan)
     y = res["y"].reshape(*lead, n)
     if not stats:
         return (y,)
@@ -311,6 +338,13 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, bias=True, need=(True
     dtype (None without a weight, without a bias (bias=False: the forward had none) or where
     need says so)."""
     _host.reject_unknown(layer_norm_backward, unknown)
+    plan = _plans.signature("ln_bwd", x, (dy, mean, rstd, weight), (bias, *need)) \
+        if type(need) is tuple else None
+    res = _planned(plan, x, {"x": x, "dy": dy, "mean": mean, "rstd": rstd, "weight": weight})
+    if res is not None:
+        dx = res.get("dx")
+        return (None if dx is None else dx.reshape(x.shape), res.get("dweight"),
+                res.get("dbias"))
     x2, lead, dt = _rows(x, "x")
     m, n = x2.shape
     need = _need(need, 3)
@@ -328,7 +362,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, bias=True, need=(True
     if need[1] or need[2]:
         _grad_cols(n, "layer_norm_backward")
     res = _run("ln_bwd", n, (dt, wdt, has_w, has_b, need), arrays,
-               {"dweight": wdt, "dbias": wdt}, x2, m)
+               {"dweight": wdt, "dbias": wdt}, x2, m, plan=plan)
     dx = res.get("dx")
     return (None if dx is None else dx.reshape(*lead, n), res.get("dweight"),
             res.get("dbias"))
@@ -338,12 +372,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, bias=True, need=(True
 def rms_norm(x, weight=None, eps=1e-6, **unknown):
     """x / sqrt(mean(x^2) + eps) * weight over the last axis (torch.nn.functional.rms_norm)."""
     _host.reject_unknown(rms_norm, unknown)
-    plan = _plans.signature("rms_fwd", x, (weight,), (eps,))
-    if plan is not None:
-        got = _plans.run(plan, x, {"weight": weight})
-        if got is not None:
-            return got["y"]
-    return _rms_norm(x, weight, eps, False, plan)[0]
+    return _rms_norm(x, weight, eps, False)[0]
 
 
 def rms_norm_forward(x, weight=None, eps=1e-6, **unknown):
@@ -352,16 +381,21 @@ def rms_norm_forward(x, weight=None, eps=1e-6, **unknown):
     return _rms_norm(x, weight, eps, True)
 
 
-def _rms_norm(x, weight, eps, stats, plan=None):
-    x2, lead, dt = _rows(x, "x")
-    m, n = x2.shape
-    weight = _vector(weight, n, "weight")
-    wdt = _param_dtype(weight, None, dt)
-    arrays = {"x": x2, "eps": _scalar(_eps(eps))}
-    if weight is not None:
-        arrays["weight"] = weight
-    res = _run("rms_fwd", n, (dt, wdt, weight is not None, stats), arrays, {}, x2, m,
-               plan=plan)
+def _rms_norm(x, weight, eps, stats):
+    plan = _plans.signature("rms_fwd", x, (weight,), (eps, stats))
+    res = _planned(plan, x, {"x": x, "weight": weight})
+    if res is not None:
+        lead, n = x.shape[:-1], x.shape[-1]
+    else:
+        x2, lead, dt = _rows(x, "x")
+        m, n = x2.shape
+        weight = _vector(weight, n, "weight")
+        wdt = _param_dtype(weight, None, dt)
+        arrays = {"x": x2, "eps": _scalar(_eps(eps))}
+        if weight is not None:
+            arrays["weight"] = weight
+        res = _run("rms_fwd", n, (dt, wdt, weight is not None, stats), arrays, {}, x2, m,
+                   plan=plan)
     y = res["y"].reshape(*lead, n)
     return (y, res["rstd"].reshape(lead)) if stats else (y,)
 
@@ -369,6 +403,12 @@ def _rms_norm(x, weight, eps, stats, plan=None):
 def rms_norm_backward(dy, x, rstd, weight=None, *, need=(True, True), **unknown):
     """(dx, dweight) of rms_norm_forward (dweight None without a weight)."""
     _host.reject_unknown(rms_norm_backward, unknown)
+    plan = _plans.signature("rms_bwd", x, (dy, rstd, weight), need) \
+        if type(need) is tuple else None
+    res = _planned(plan, x, {"x": x, "dy": dy, "rstd": rstd, "weight": weight})
+    if res is not None:
+        dx = res.get("dx")
+        return None if dx is None else dx.reshape(x.shape), res.get("dweight")
     x2, lead, dt = _rows(x, "x")
     m, n = x2.shape
     need = _need(need, 2)
@@ -384,7 +424,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, need=(True, True), **unknown)
     if need[1]:
         _grad_cols(n, "rms_norm_backward")
     res = _run("rms_bwd", n, (dt, wdt, weight is not None, need), arrays, {"dweight": wdt},
-               x2, m)
+               x2, m, plan=plan)
     dx = res.get("dx")
     return None if dx is None else dx.reshape(*lead, n), res.get("dweight")
 
@@ -398,10 +438,9 @@ def softmax(x, *, mask=None, scale=None, **unknown):
     plan = None
     if mask is None and scale is None:
         plan = _plans.signature("sm_fwd", x, (), ())
-        if plan is not None:
-            got = _plans.run(plan, x, {})
-            if got is not None:
-                return got["y"]
+        res = _planned(plan, x, {"x": x})
+        if res is not None:
+            return res["y"].reshape(x.shape)
     x2, lead, dt = _rows(x, "x")
     m, n = x2.shape
     arrays = {"x": x2}
@@ -449,13 +488,19 @@ _number = _host.finite_number
 def softmax_backward(dy, y, scale=None, **unknown):
     """dx of softmax (from its output y): y * (dy - sum(dy * y)) (times scale)."""
     _host.reject_unknown(softmax_backward, unknown)
+    plan = None
+    if scale is None:
+        plan = _plans.signature("sm_bwd", y, (dy,), ())
+        res = _planned(plan, y, {"y": y, "dy": dy})
+        if res is not None:
+            return res["dx"].reshape(y.shape)
     y2, lead, dt = _rows(y, "y")
     m, n = y2.shape
     arrays = {"y": y2, "dy": _same_rows(dy, y, m, n, "dy", dt)}
     scaled = scale is not None
     if scaled:
         arrays["scale"] = _scalar(_number(scale, "scale"))
-    res = _run("sm_bwd", n, (dt, scaled), arrays, {}, y2, m)
+    res = _run("sm_bwd", n, (dt, scaled), arrays, {}, y2, m, plan=plan)
     return res["dx"].reshape(*lead, n)
 
 

@@ -152,11 +152,11 @@ def _planned(kind, input, last, normalized_shape, params, eps):
     if (type(normalized_shape) is int and normalized_shape == last) or (
             type(normalized_shape) is tuple and len(normalized_shape) == 1
             and normalized_shape[0] == last):
-        plan = _plans.signature(kind, input, tuple(params.values()), (eps,))
+        plan = _plans.signature(kind, input, tuple(params.values()), (eps, False))
         if plan is not None and not _wants_grad(input, *params.values()):
-            got = _plans.run(plan, input, params)
-            if got is not None:
-                return got["y"]
+            res = _n._planned(plan, input, dict(params, x=input))
+            if res is not None:
+                return res["y"].reshape(input.shape)
     return None
 
 
@@ -269,10 +269,9 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
         return F.softmax(input, dim, _stacklevel + 1, dtype=dtype)
     if type(input) is torch.Tensor and dtype is None and type(dim) is int and (
             dim == -1 or dim == input.dim() - 1) and not _wants_grad(input):
-        plan = _plans.signature("sm_fwd", input, (), ())
-        got = None if plan is None else _plans.run(plan, input, {})
-        if got is not None:
-            return got["y"]
+        res = _n._planned(_plans.signature("sm_fwd", input, (), ()), input, {"x": input})
+        if res is not None:
+            return res["y"].reshape(input.shape)
     if dtype is not None:
         input = input.to(dtype)
     if not _servable(input) or input.dim() == 0 or input.numel() == 0:

@@ -1,5 +1,5 @@
-"""ops.norm_plans: a call whose signature a checked call served before runs the recorded nest
-directly. Planned results equal the checked ones bit for bit, every argument that is not part
+"""ops.norm_plans and ops.norms._planned: a call whose signature a checked call served before
+runs the recorded nest directly. Planned results equal the checked ones bit for bit, every argument that is not part
 of a signature (the data, eps's value, a weight changed in place) is honoured, and arguments
 outside the signature take the checked path (its errors, its autograd)."""
 from __future__ import annotations
@@ -19,15 +19,15 @@ F = torch.nn.functional
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The number of planned calls that ran (plans.run returning results)."""
+    """The number of planned calls that ran (ops.norms._planned returning results)."""
     hits = [0]
-    real = plans.run
+    real = N._planned
 
-    def run(*args):
+    def planned(*args):
         got = real(*args)
         hits[0] += got is not None
         return got
-    monkeypatch.setattr(plans, "run", run)
+    monkeypatch.setattr(N, "_planned", planned)
     plans._PLANS.clear()
     yield hits
     plans._PLANS.clear()
@@ -110,3 +110,47 @@ def test_numpy_and_torch_do_not_share_plans(counted):
     got = N.softmax(torch.from_numpy(x))        # same shape and dtype, another kind
     assert isinstance(got, torch.Tensor)
     torch.testing.assert_close(got, torch.softmax(torch.from_numpy(x), -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planned_forwards_with_statistics_and_backwards(counted, dtype):
+    g = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(3, 5, 40, generator=g).to(dtype) for _ in range(2))
+    w, b = (torch.randn(40, generator=g).to(dtype) for _ in range(2))
+    _, mean, rstd = N.layer_norm_forward(x, w, b)
+    _, rrstd = N.rms_norm_forward(x, w)
+    probs = N.softmax(x)
+    calls = [lambda: N.layer_norm_forward(x, w, b, 1e-3),
+             lambda: N.rms_norm_forward(x, None),
+             lambda: N.layer_norm_backward(dy, x, mean, rstd, w),
+             lambda: N.layer_norm_backward(dy, x, mean, rstd, w, need=(True, False, True)),
+             lambda: N.layer_norm_backward(dy, x, mean, rstd, None, bias=False),
+             lambda: N.rms_norm_backward(dy, x, rrstd, w),
+             lambda: N.softmax_backward(dy, probs)]
+    for k, call in enumerate(calls):
+        checked = call()
+        before = counted[0]
+        planned = call()
+        assert counted[0] == before + 1, k
+        for got, want in zip(planned, checked):
+            assert (got is None) == (want is None), k
+            if want is not None:
+                assert got.shape == want.shape and got.dtype == want.dtype, k
+                assert torch.equal(got, want), k
+
+
+def test_drop_in_training_steps_match_torch(counted):
+    g = torch.Generator().manual_seed(2)
+    ln, ref = tn.LayerNorm(40), torch.nn.LayerNorm(40)
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(40, generator=g))
+        ref.load_state_dict(ln.state_dict())
+    for step in range(3):
+        x = torch.randn(6, 40, generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (ln(xa) ** 2).sum().backward()
+        (ref(xb) ** 2).sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
+        for p, q in zip(ln.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    assert counted[0] >= 4      # the later steps' forward and backward were planned
