@@ -441,6 +441,26 @@ def weight_key(w) -> tuple:
     return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
 
 
+def packed_copy(module, name, sources, make):
+    """make()'s value (a packed copy of module's weights), cached in module.__dict__
+    ["_tpp_packed"] under name while every source tensor's weight_key is unchanged (None
+    sources allowed; off the CPU the key names the device too, so a moved parameter is
+    packed again). The detached sources are kept alive with the entry: their addresses are
+    part of the key and must not be reused by other tensors while it lives. The cache is
+    derived data: the modules using it drop it when pickled or deep-copied."""
+    cache = module.__dict__.get("_tpp_packed")
+    if cache is None:
+        cache = module.__dict__["_tpp_packed"] = {}
+    key = tuple(None if t is None else weight_key(t) if t.is_cpu else (t.device, weight_key(t))
+                for t in sources)
+    got = cache.get(name)
+    if got is not None and got[0] == key:
+        return got[1]
+    value = make()
+    cache[name] = (key, value, tuple(None if t is None else t.detach() for t in sources))
+    return value
+
+
 def finite_number(value, name: str) -> float:
     """A finite real number (not a bool) as a float; ArgumentError otherwise."""
     if isinstance(value, (bool, np.bool_)):

@@ -64,6 +64,7 @@ import torch
 
 from tpp.core.errors import UnsupportedError
 
+from . import _host
 from ._host import wants_grad as _wants_grad
 
 __all__ = ["scaled_dot_product_attention", "MultiheadAttention", "AttentionFunction"]
@@ -294,11 +295,11 @@ def _differentiable_grads(ctx, dout, inputs, mask, need):
 
 
 # ---------------------------------------------------------------- MultiheadAttention
-def _linear(x, weight, bias):
-    """x @ weight.T + bias through ops.torch.linear (TPP GEMMs, autograd); imported at the
-    call (ops.torch re-exports this module)."""
+def _linear(x, weight, bias, packed=None):
+    """x @ weight.T + bias through ops.torch.linear (TPP GEMMs, autograd; packed: weight's
+    ops.pack_nk copy, reused); imported at the call (ops.torch re-exports this module)."""
     from ops.torch import linear
-    return linear(x, weight, bias)
+    return linear(x, weight, bias, packed=packed)
 
 
 def _autocast() -> bool:
@@ -373,23 +374,37 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         out = scaled_dot_product_attention(q, k, v, mask, dropout_p, causal)  # (N, H, L, Dh)
         # to the input's layout, heads merged: (N, L, E) or (L, N, E)
         out = out.permute(0, 2, 1, 3) if batch_first else out.permute(2, 0, 1, 3)
-        out = _linear(out.reshape(*out.shape[:2], self.embed_dim), self.out_proj.weight,
-                      self.out_proj.bias)
+        out = self._projection("out", out.reshape(*out.shape[:2], self.embed_dim),
+                               self.out_proj.weight, self.out_proj.bias)
         return out.squeeze(0) if nd == 2 else out
+
+    def _projection(self, name, x, w, b):
+        """x @ w.T + b with w's packed copy kept by the module (ops._host.packed_copy: repacked
+        when the parameter changed, as optimizer steps do): packing a weight costs more than
+        a short sequence's projection."""
+        import ops
+        packed = _host.packed_copy(self, name, (w,), lambda: ops.pack_nk(w.detach()))
+        return _linear(x, w, b, packed)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_tpp_packed", None)      # derived data: never pickled or deep-copied
+        return state
 
     def _in_projection(self, query, key, value, bdim):
         """q, k, v as (N, H, L|S, head_dim) views of the projections (one GEMM when query is
         key is value, as torch packs them; two when only key is value)."""
         w, b, e = self.in_proj_weight, self.in_proj_bias, self.embed_dim
+        proj = self._projection
         if query is key and key is value:
-            q, k, v = _linear(query, w, b).unflatten(-1, (3, e)).unbind(-2)
+            q, k, v = proj("qkv", query, w, b).unflatten(-1, (3, e)).unbind(-2)
         elif key is value:
-            q = _linear(query, w[:e], None if b is None else b[:e])
-            k, v = _linear(key, w[e:], None if b is None else b[e:]).unflatten(
+            q = proj("q", query, w[:e], None if b is None else b[:e])
+            k, v = proj("kv", key, w[e:], None if b is None else b[e:]).unflatten(
                 -1, (2, e)).unbind(-2)
         else:
-            q, k, v = (_linear(x, w[i * e:(i + 1) * e], None if b is None else
-                               b[i * e:(i + 1) * e]) for i, x in enumerate((query, key, value)))
+            q, k, v = (proj("qkv"[i], x, w[i * e:(i + 1) * e], None if b is None else
+                            b[i * e:(i + 1) * e]) for i, x in enumerate((query, key, value)))
         return tuple(self._heads(t, bdim) for t in (q, k, v))
 
     def _heads(self, t, bdim):

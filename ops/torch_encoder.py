@@ -293,18 +293,7 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
     # ------------------------------------------------------------ packed weights
     def _packed(self, name, w):
         """ops.pack_nk(w) cached by w's (storage, version, dtype, shape, strides)."""
-        from ops.torch import _weight_key
-        cache = self.__dict__.get("_tpp_packed")
-        if cache is None:
-            cache = self.__dict__["_tpp_packed"] = {}
-        key = _weight_key(w)
-        got = cache.get(name)
-        if got is not None and got[0] == key:
-            return got[2]
-        src = w.detach()
-        packed = _ops.pack_nk(src)
-        cache[name] = (key, src, packed)
-        return packed
+        return _host.packed_copy(self, name, (w,), lambda: _ops.pack_nk(w.detach()))
 
     def _linear(self, name, x, w, b, act=None):
         from ops.torch import linear

@@ -200,20 +200,8 @@ class _Converted:
 
     def _packed(self, name, key_tensors, make):
         """The packed weight `make()` builds, cached under name while key_tensors (storage,
-        version, dtype, shape, strides) are unchanged; returns the cached entry's value."""
-        from ops.torch import _weight_key
-        cache = self.__dict__.get("_tpp_packed")
-        if cache is None:
-            cache = self.__dict__["_tpp_packed"] = {}
-        key = tuple(None if t is None else _weight_key(t) for t in key_tensors)
-        got = cache.get(name)
-        if got is not None and got[0] == key:
-            return got[1]
-        # the detached sources are kept alive with the entry: their addresses are part of the
-        # key and must not be reused by other tensors while it lives
-        value = make()
-        cache[name] = (key, value, tuple(_d(t) for t in key_tensors))
-        return value
+        version, dtype, shape, strides) are unchanged (ops._host.packed_copy)."""
+        return _host.packed_copy(self, name, key_tensors, make)
 
     def _linear(self, name, x, linear, bias=True, activation=None):
         """act(x @ linear.weight^T (+ linear.bias)) through ops.torch.linear with the weight's

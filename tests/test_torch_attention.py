@@ -413,6 +413,42 @@ def test_mha_projections_and_layouts(batch_first, kind, operator):
     assert len(calls) == 1 and out.is_contiguous()
 
 
+@pytest.mark.parametrize("kind", ["self", "kv", "cross"])
+def test_mha_packed_weights_follow_the_parameters(kind):
+    """The projections' packed weights (kept by the module) are rebuilt when an optimizer
+    step or an in-place write changes a parameter, and never pickled or deep-copied."""
+    import copy
+    import io
+    ours, theirs = _pair(batch_first=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    q, k, v, _ = _inputs(kind, True)
+    for _ in range(3):
+        outs = [m(q, k, v, need_weights=False)[0] for m in (ours, theirs)]
+        torch.testing.assert_close(outs[0], outs[1], **TOL[torch.float32])
+        for out, opt in zip(outs, opts):
+            opt.zero_grad()
+            (out ** 2).mean().backward()
+            opt.step()
+    assert ours.__dict__["_tpp_packed"]
+    with torch.no_grad():
+        for m in (ours, theirs):
+            m.in_proj_weight.mul_(-0.5)
+            m.out_proj.weight.add_(0.25)
+        torch.testing.assert_close(ours(q, k, v, need_weights=False)[0],
+                                   theirs(q, k, v, need_weights=False)[0], **TOL[torch.float32])
+    clone = copy.deepcopy(ours)
+    assert "_tpp_packed" not in clone.__dict__
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        for m in (clone, back):
+            torch.testing.assert_close(m(q, k, v, need_weights=False)[0],
+                                       theirs(q, k, v, need_weights=False)[0],
+                                       **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("masks", ["kpm_bool", "kpm_float", "attn_bool_2d", "attn_bool_3d",
                                    "attn_float_2d", "attn_float_3d", "both_bool", "both_float",
                                    "causal", "causal_kpm"])
