@@ -48,6 +48,9 @@ class Options:
     block: int = BLOCK          # query rows and key rows per block (block_for)
 
 
+BLOCKS = (16, 32, 48, BLOCK)   # the block sizes block_for picks
+
+
 def block_for(sq: int, sk: int) -> int:
     """The block size of a problem with sq queries and sk keys: BLOCK, or for sequences that
     fit in one smaller block the next multiple of 16 (a vector of f32 on AVX-512, two on

@@ -39,7 +39,7 @@ from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
 from .attention_equations import (  # noqa: F401  (Options, vnni, block_for: ops.flash_attention's)
-    BLOCK, SEED_BLOCK_BITS, block_for, Options, vnni, stats_row_spec, probs_spec, probs_rescale_spec,
+    BLOCK, BLOCKS, SEED_BLOCK_BITS, block_for, Options, vnni, stats_row_spec, probs_spec, probs_rescale_spec,
     rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
     delta_spec, scores_spec, exp_spec, drop_spec
 )
@@ -283,7 +283,7 @@ def _column_max(block):
     return tpp.make_unary("reduce_max", block, block, axis=0)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)     # (four block classes per options)
 def forward(o: Options) -> Forward:
     return Forward(o)
 
@@ -532,7 +532,7 @@ class Backward(_Nest):
 
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def backward(o: Options) -> Backward:
     return Backward(o)
 

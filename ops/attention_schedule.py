@@ -9,16 +9,25 @@ import itertools
 import tpp
 
 
-def schedule(chunks, serial, run, scratch):
+TEAM_CHUNK_FLOPS = 64e6     # smaller chunks whose heads split evenly run on the team, in order
+
+
+def schedule(chunks, serial, run, scratch, heads=1, chunk_flops=0.0):
     """run(c, arrays, threads) for every chunk c, arrays a scratch() dict of the calling
-    thread. Few chunks: in order, each nest on the team (tpp.get_num_threads()). As many
-    chunks as threads or more: chunks spread over Python worker threads, each nest on one
-    thread (a nest call releases the GIL): one fork and join per operator call instead of a
-    parallel region per chunk, whose barriers cost a scheduler time slice each on a busy
-    machine."""
+    thread. heads: the heads of a chunk its nest shares among the team (its parallel loop);
+    chunk_flops: a chunk's work. In order, each nest on the team (tpp.get_num_threads()):
+    few chunks, or small chunks (under TEAM_CHUNK_FLOPS) whose heads split evenly over the
+    team: a parallel region per chunk costs less than the Python worker threads' hand-offs
+    and their contention for the GIL between short nest calls (2 threads: B8 H12 S16 D32
+    forward 340-369 -> 166-167 us, S64 507 -> 435-463, S128 D64 2553-2698 -> 2432-2538).
+    Else the chunks spread over Python worker threads, each nest on one thread (a nest call
+    releases the GIL): one fork and join per operator call, robust to a core taken away for a
+    while, and the only way to use the team when a chunk has fewer heads than threads (long
+    sequences: B1 H12 S2048 takes one head per chunk, 2x slower on the team)."""
     count = chunks
     team = 1 if serial else tpp.get_num_threads()
-    if team == 1 or count < team or (count < 2 * team and count % team):
+    if team == 1 or count < team or (count < 2 * team and count % team) or (
+            heads % team == 0 and chunk_flops < TEAM_CHUNK_FLOPS):
         arrays = scratch()
         for c in range(count):
             run(c, arrays, 1 if serial else None)

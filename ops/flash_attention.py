@@ -85,6 +85,7 @@ tests' bf16 tolerance (rtol = atol = 2e-2 of the largest value) of f32 torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -251,16 +252,8 @@ class _Problem:
         self.seed = None if seed is None else int(seed) & ((1 << 64) - 1)
         self.mask_kind, self.mask = _mask(mask, (b, h, sq, sk), self.dt,
                                           self.where is not None)
-        # the backward's scratch holds f32 dQ accumulators and the packed query side of its
-        # heads, O(hc * Sq * D): few heads per call when the sequence is long
-        # and few enough blocks per call that the calls spread evenly over the threads, also
-        # when a busy machine takes a thread's core away for a while (calls are handed out
-        # one at a time, each a few ms)
         self.block = K.block_for(sq, sk)
-        blocks = max(1, -(-sq // self.block) * -(-sk // self.block))
-        self.hc = _heads_per_call(h, self.group,
-                                  max(1, min(SCRATCH_PER_CALL // (4 * max(sq, 1) * d),
-                                             BLOCKS_PER_CALL // blocks)))
+        self.hc = _chunk_heads(h, self.group, sq, d, -(-sq // self.block) * -(-sk // self.block))
         self.chunks = b * h // self.hc
         self.memo = {}      # what the forward derives from these fields (shared by the
                             # problems of one _plain_problem template)
@@ -269,6 +262,26 @@ class _Problem:
         return K.Options(self.d, self.dt, self.hc, self.group, self.causal,
                          self.mask_kind == "key", self.mask_kind == "full", mheads, self.p,
                          self.scale < 0, cuda=self.where is not None, block=self.block)
+
+    def nest(self, build, mheads=1, siblings=False):
+        """build(self.options(mheads)) (K.forward or K.backward). siblings (the forward): on
+        the host, for a problem taking as many heads per call as a one-block sequence would,
+        the nests of the other block classes are built first (the same options and heads per
+        call): a model seen at one sequence length then runs inference at another, shorter
+        or longer (up to where long sequences take fewer heads per call), compiling nothing,
+        at the price of compiling four forward nests at its first call instead of one."""
+        own = self.options(mheads)
+        if siblings and self.where is None and \
+                own.hc == _chunk_heads(self.h, self.group, K.BLOCK, self.d, 1):
+            for b in K.BLOCKS:
+                if b != self.block:
+                    build(dataclasses.replace(own, block=b))
+        return build(own)
+
+    @property
+    def chunk_flops(self) -> float:
+        """A forward nest call's multiply-adds x 2 (the backward's: 2.5 times as many)."""
+        return 4.0 * self.hc * self.sq * self.sk * self.d
 
     @property
     def serial(self) -> bool:
@@ -321,6 +334,16 @@ def _plain_problem(q, k, v, causal, scale):
     else:
         pr.q, pr.k, pr.v = _numpy(q), _numpy(k), _numpy(v)
     return pr
+
+
+def _chunk_heads(h, group, sq, d, blocks):
+    """Heads per nest call for sq queries of head dim d in `blocks` score blocks per head:
+    few when the sequence is long (the backward's scratch holds f32 dQ accumulators and the
+    packed query side of its heads, O(hc * Sq * D)), and few enough blocks per call that the
+    calls spread evenly over the threads, also when a busy machine takes a thread's core
+    away for a while (calls are handed out one at a time, each a few ms)."""
+    return _heads_per_call(h, group, max(1, min(SCRATCH_PER_CALL // (4 * max(sq, 1) * d),
+                                                BLOCKS_PER_CALL // max(1, blocks))))
 
 
 def _heads_per_call(h, group, limit=MAX_UNROLL):
@@ -481,7 +504,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
     masks, mheads = _mask_slabs(pr, nq, nk)
     nest = pr.memo.get("nest") if masks is None else None
     if nest is None:
-        nest = K.forward(pr.options(mheads))
+        nest = pr.nest(K.forward, mheads, siblings=True)
         if masks is None:
             pr.memo["nest"] = nest
 
@@ -493,7 +516,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
                       lse=lse_p[c * hc:(c + 1) * hc])
         _run_chunk(pr, nest, arrays, c, masks, nq, threads)
 
-    schedule(pr.chunks, pr.serial, run, scratch)
+    schedule(pr.chunks, pr.serial, run, scratch, hc, pr.chunk_flops)
     if pr.sq % BQ:
         r = pr.sq % BQ
         out3[:, pr.sq - r:] = outt[:, :r]
@@ -575,7 +598,7 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
         return arrays
 
     masks, mheads = _mask_slabs(pr, nq, nk)
-    nest = K.backward(pr.options(mheads))
+    nest = pr.nest(K.backward, mheads)
 
     def run(c, arrays, threads):
         qs, ks = slice(c * hc, (c + 1) * hc), slice(c * hkc, (c + 1) * hkc)
@@ -587,7 +610,7 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
             arrays[name] = _chunk(arr, c, hc if name == "dqt" else hkc)
         _run_chunk(pr, nest, arrays, c, masks, nq, threads)
 
-    schedule(pr.chunks, pr.serial, run, scratch)
+    schedule(pr.chunks, pr.serial, run, scratch, hkc, pr.chunk_flops)
     for x3, tail_arr, block in ((dq3, outs_t["dqt"], BQ), (dk3, outs_t["dkt"], BK),
                                 (dv3, outs_t["dvt"], BK)):
         r = x3.shape[1] % block

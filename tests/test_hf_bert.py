@@ -127,6 +127,23 @@ def test_a_new_sequence_length_compiles_nothing(models, tok):
     assert tpp.cache_info()["compiled"] == before
 
 
+def test_one_length_seen_then_no_length_compiles():
+    """A model seen at one sequence length compiles nothing at any other, shorter (the
+    attention's small block classes) or longer (a head size of its own: nothing this
+    process compiled before)."""
+    fast = ops.torch.optimize(_tiny(hidden_size=48, intermediate_size=96))
+    def call(length):
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[1, (length + 1) // 2:] = 0                 # a padded batch (a key mask)
+        fast(input_ids=torch.randint(3, 99, (2, length)), attention_mask=mask)
+    with torch.no_grad():
+        call(60)
+        before = tpp.cache_info()["compiled"]
+        for length in (2, 5, 16, 20, 40, 48, 63):
+            call(length)
+    assert tpp.cache_info()["compiled"] == before
+
+
 def test_output_attentions_and_eager_masks(path, tok):
     """output_attentions runs the original forward (its weights are recorded); the eager
     implementation's additive float mask is served by the fused path."""

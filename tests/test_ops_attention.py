@@ -231,17 +231,24 @@ def test_dropout_reproducible_and_backward_consistent(sq, sk):
 
 
 def test_new_sizes_compile_nothing():
-    """A new batch size or sequence length compiles nothing once a length of its block class
-    has run (block_for: longest sequence up to 16, 32, 48 or longer)."""
+    """A new batch size or sequence length compiles nothing: for the forward once one has run
+    (its first call builds the nests of every block class, block_for's), for the backward
+    once one of the same block class has."""
     def both(b, sq, sk):
         q, k, v, do = _inputs(b, 2, 2, sq, sk, 64)
         out, lse = A.attention_forward(q, k, v, causal=True)
         A.attention_backward(do, q, k, v, out, lse, causal=True)
+    q, k, v, _ = _inputs(1, 2, 2, 65, 65, 64)
+    A.attention_forward(q, k, v, causal=True)
+    before = tpp.cache_info()["compiled"]
+    for sq in (1, 17, 40, 300):
+        A.attention_forward(*_inputs(2, 2, 2, sq, sq, 64)[:3], causal=True)
+    assert tpp.cache_info()["compiled"] == before
     for n in (65, 16, 32, 48):
         both(1, n, n)
     before = tpp.cache_info()["compiled"]
     for b, sq, sk in [(3, 1, 1), (2, 64, 300), (1, 200, 129), (4, 7, 7), (2, 17, 30),
-                      (1, 40, 33), (2, 1, 49)]:
+                      (1, 40, 33), (2, 1, 49), (1, 16, 16), (1, 48, 48)]:
         both(b, sq, sk)
     assert tpp.cache_info()["compiled"] == before
 
