@@ -23,6 +23,7 @@ from tpp.core import dtypes as _dt
 from tpp.runtime import arrays as _arrays
 
 from . import _host
+from . import attention_buffers as B
 from . import attention_kernels as K
 from . import flash_attention as F
 from .attention_inputs import _mask_slabs
@@ -155,9 +156,9 @@ def device_forward(pr):
     lse_p = _dnew(pr, (b * h, nq * BQ), _dt.F32)
     qt, kt, vt = _dtail(pr, q3, BQ, hc), _dtail(pr, k3, BK, hkc), _dtail(pr, v3, BK, hkc)
     outt = _dnew(pr, (b * h if sq % BQ else hc, BQ, d), dt)
-    arrays = {"cm": _dconstant(pr, ("cm", sk % BK, BK), F._key_tail_mask(sk, BK)),
+    arrays = {"cm": _dconstant(pr, ("cm", sk % BK, BK), B.key_tail_mask(sk, BK)),
               "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
-              "ones": _dconstant(pr, ("ones", BK), F._ones(BK)),
+              "ones": _dconstant(pr, ("ones", BK), B.ones(BK)),
               "qT": _dnew(pr, (hc, d, BQ), dt),
               "work": _dnew(pr, (hc, K.work_size(d, BQ)), _dt.F32)}
     if K.vnni(pr.options()):
@@ -209,7 +210,7 @@ def device_backward(pr, do4, o4, lse, need):
     _dcopy(_dview(_dbase(lse), 0, (n, sq)), _dview(lse_p, 0, (n, sq), (nq * BQ, 1)), _dt.F32)
     per_block = pr.mask_kind == "full"
     snq, snk = (1, nk) if per_block else (nq, 1)
-    arrays = {"cm": _dconstant(pr, ("cm", sk % BK, BK), F._key_tail_mask(sk, BK)),
+    arrays = {"cm": _dconstant(pr, ("cm", sk % BK, BK), B.key_tail_mask(sk, BK)),
               "scale": _dbase(_host.constant(pr.scale, _dt.F32, pr.q)),
               "delta": _dnew(pr, (hc, snq * BQ), _dt.F32),
               "gq": _dnew(pr, (hc, snq, BQ, d), _dt.F32),

@@ -59,8 +59,8 @@ A forward without mask or dropout on contiguous host data reuses what an earlier
 same shapes, dtypes, causality and scale validated and derived (_plain_problem: the checks,
 the nest, its constant inputs), so its Python cost before the first nest call stays small.
 Memory: the inputs' per-call copies are the last partial block of each head (sequences not a
-multiple of the block; held by the calling thread for its next calls up to _REUSED_BYTES); the forward's scratch is O(HC) blocks (its query blocks run in order inside a
-head); the backward's per worker O(HC * Sq * D) (f32 dQ accumulators, the packed query side),
+multiple of the block; kept by the calling thread for its next calls: ops.attention_buffers);
+the forward's scratch is O(HC) blocks (its query blocks run in order inside a head); the backward's per worker O(HC * Sq * D) (f32 dQ accumulators, the packed query side),
 HC capped so that that stays near SCRATCH_PER_CALL (B1 H12 S8192 D64 f32 fwd+bwd: about 24 MB
 of peak RSS beyond inputs and outputs, tested in a subprocess); a mask is reblocked to an f32
 additive copy at its own broadcast shape (key masks O(S), 2-D masks O(Sq * Sk) like the
@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 
 import numpy as np
 
@@ -100,6 +99,7 @@ from tpp.runtime.lru import also_clear
 from . import _host
 from . import attention_kernels as K
 from .attention_inputs import _dtype, _mask, _mask_slabs, _numpy, _result
+from . import attention_buffers as B
 from .attention_schedule import schedule
 
 MAX_UNROLL = 16          # heads a nest handles per call (its calls are unrolled per head)
@@ -359,94 +359,6 @@ def _heads_per_call(h, group, limit=MAX_UNROLL):
 _number = _host.finite_number
 
 
-# ---------------------------------------------------------------- layout helpers
-_DUMMIES: dict = {}
-_LOCAL = threading.local()
-_SCRATCH_KEYS = 4        # scratch sets a thread keeps for its next calls
-_REUSED_BYTES = 2 << 20  # the largest backward scratch kept (the forward's is O(hc) blocks)
-
-
-def _dummy(role, shape, dtype):
-    """A shared array of this shape for the tail tensor `role` that the nest never touches
-    (its sequence is a multiple of the block): allocating (and page-faulting) one per call
-    costs more than a small problem's compute. One per role: a nest's tensors must not
-    overlap."""
-    key = (role, tuple(shape), np.dtype(dtype))
-    arr = _DUMMIES.get(key)
-    if arr is None:
-        if len(_DUMMIES) >= 32:
-            _DUMMIES.clear()
-        arr = _DUMMIES[key] = np.zeros(shape, dtype)
-    return arr
-
-
-def _reused(key, make):
-    """A copy of the dict make() gives (scratch arrays, whose contents no call reads before
-    writing), made once per thread and key and kept for that thread's next calls: fresh
-    scratch is page-faulted on every call."""
-    cache = getattr(_LOCAL, "scratch", None)
-    if cache is None:
-        cache = _LOCAL.scratch = {}
-    arrays = cache.get(key)
-    if arrays is None:
-        if len(cache) >= _SCRATCH_KEYS:
-            cache.clear()
-        arrays = cache[key] = make()
-    return dict(arrays)
-
-
-def _held(role, shape, dtype):
-    """An array for the tail tensor `role` of one call (contents undefined): up to
-    _REUSED_BYTES, the calling thread's own, kept for its next calls (a short sequence is all
-    tail, and a fresh array's page faults cost more than copying into it: B8 H12 S40 D32,
-    three fresh input tails ~0.25 ms of a ~0.6 ms forward); larger ones fresh. Only for
-    arrays that no caller sees and that a call is done with when it returns."""
-    dtype = np.dtype(dtype)
-    if math.prod(shape) * dtype.itemsize > _REUSED_BYTES:
-        return np.empty(shape, dtype)
-    cache = getattr(_LOCAL, "tails", None)
-    if cache is None:
-        cache = _LOCAL.tails = {}
-    key = (role, tuple(shape), dtype)
-    arr = cache.get(key)
-    if arr is None:
-        if len(cache) >= 4 * _SCRATCH_KEYS:
-            cache.clear()
-        arr = cache[key] = np.empty(shape, dtype)
-    return arr
-
-
-def _tail(x3, block, heads, role):
-    """The zero-padded last partial block of each head of x3 (N, S, D): (N, block, D), or
-    a shared dummy of `heads` heads when S is a multiple of block (the nest never reads it
-    then)."""
-    n, s, d = x3.shape
-    r = s % block
-    if r == 0:
-        return _dummy(role, (heads, block, d), x3.dtype)
-    t = _held(role, (n, block, d), x3.dtype)
-    t[:, :r] = x3[:, s - r:]
-    t[:, r:] = 0
-    return t
-
-
-def _key_tail_mask(sk, block):
-    cm = np.zeros(block, np.float32)
-    r = sk % block
-    if r:
-        cm[r:] = -np.inf
-    return cm
-
-
-def _ones(block):
-    return np.ones(block, np.float32)
-
-
-def _chunk(arr, c, count):
-    """Rows c * count ... of arr (a tail array of one block per head, or a dummy)."""
-    return arr[c * count:(c + 1) * count] if arr.shape[0] > count else arr
-
-
 # ---------------------------------------------------------------- forward
 def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
     pr = None
@@ -479,18 +391,18 @@ def _forward_run(pr, out3, lse_p, nq, nk):
     q3 = pr.q.reshape(-1, pr.sq, d)
     k3 = pr.k.reshape(-1, pr.sk, d)
     v3 = pr.v.reshape(-1, pr.sk, d)
-    qt, kt, vt = _tail(q3, BQ, hc, "q"), _tail(k3, BK, hkc, "k"), _tail(v3, BK, hkc, "v")
-    outt = _held("out", (q3.shape[0], BQ, d), dt.numpy) if pr.sq % BQ else \
-        _dummy("out", (hc, BQ, d), dt.numpy)
+    qt, kt, vt = B.tail(q3, BQ, hc, "q"), B.tail(k3, BK, hkc, "k"), B.tail(v3, BK, hkc, "v")
+    outt = B.held("out", (q3.shape[0], BQ, d), dt.numpy) if pr.sq % BQ else \
+        B.dummy("out", (hc, BQ, d), dt.numpy)
     got = pr.memo.get("fwd")
     if got is None:     # the nests' constant inputs (read only) and the options
-        shared = {"cm": _key_tail_mask(pr.sk, BK), "scale": np.full(1, pr.scale, np.float32),
-                  "ones": _ones(BK)}
+        shared = {"cm": B.key_tail_mask(pr.sk, BK), "scale": np.full(1, pr.scale, np.float32),
+                  "ones": B.ones(BK)}
         got = pr.memo["fwd"] = shared, K.vnni(pr.options())
     shared, vnni = got
 
     def scratch():
-        return dict(_reused(("fwd", hc, d, dt, vnni, BQ), fresh), **shared)
+        return dict(B.reused(("fwd", hc, d, dt, vnni, BQ), fresh), **shared)
 
     def fresh():
         arrays = dict(qT=np.empty((hc, d, BQ), dt.numpy),
@@ -510,9 +422,9 @@ def _forward_run(pr, out3, lse_p, nq, nk):
 
     def run(c, arrays, threads):
         arrays.update(q=q3[c * hc:(c + 1) * hc], k=k3[c * hkc:(c + 1) * hkc],
-                      v=v3[c * hkc:(c + 1) * hkc], qt=_chunk(qt, c, hc),
-                      kt=_chunk(kt, c, hkc), vt=_chunk(vt, c, hkc),
-                      out=out3[c * hc:(c + 1) * hc], outt=_chunk(outt, c, hc),
+                      v=v3[c * hkc:(c + 1) * hkc], qt=B.chunk(qt, c, hc),
+                      kt=B.chunk(kt, c, hkc), vt=B.chunk(vt, c, hkc),
+                      out=out3[c * hc:(c + 1) * hc], outt=B.chunk(outt, c, hc),
                       lse=lse_p[c * hc:(c + 1) * hc])
         _run_chunk(pr, nest, arrays, c, masks, nq, threads)
 
@@ -548,29 +460,29 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
     q3, o3, do3 = (x.reshape(-1, sq, d) for x in (pr.q, o4, do4))
     k3, v3 = (x.reshape(-1, sk, d) for x in (pr.k, pr.v))
     dq3, dk3, dv3 = dq.reshape(-1, sq, d), dk.reshape(-1, sk, d), dv.reshape(-1, sk, d)
-    tails = {name: _tail(x3, BQ if name[0] in "qod" else BK, hc if name[0] in "qod" else hkc,
+    tails = {name: B.tail(x3, BQ if name[0] in "qod" else BK, hc if name[0] in "qod" else hkc,
                          name) for name, x3 in (("qt", q3), ("ot", o3), ("dot", do3),
                                                 ("kt", k3), ("vt", v3))}
-    outs_t = {"dqt": _held("dqt", (q3.shape[0], BQ, d), dt.numpy) if sq % BQ else
-              _dummy("dqt", (hc, BQ, d), dt.numpy),
-              "dkt": _held("dkt", (k3.shape[0], BK, d), dt.numpy) if sk % BK else
-              _dummy("dkt", (hkc, BK, d), dt.numpy),
-              "dvt": _held("dvt", (k3.shape[0], BK, d), dt.numpy) if sk % BK else
-              _dummy("dvt", (hkc, BK, d), dt.numpy)}
+    outs_t = {"dqt": B.held("dqt", (q3.shape[0], BQ, d), dt.numpy) if sq % BQ else
+              B.dummy("dqt", (hc, BQ, d), dt.numpy),
+              "dkt": B.held("dkt", (k3.shape[0], BK, d), dt.numpy) if sk % BK else
+              B.dummy("dkt", (hkc, BK, d), dt.numpy),
+              "dvt": B.held("dvt", (k3.shape[0], BK, d), dt.numpy) if sk % BK else
+              B.dummy("dvt", (hkc, BK, d), dt.numpy)}
     lse_p = np.full((q3.shape[0], nq * BQ), np.inf, np.float32)
     lse_p[:, :sq] = lse.reshape(-1, sq)
     per_block = pr.mask_kind == "full"
     snq = 1 if per_block else nq
-    shared = {"cm": _key_tail_mask(sk, BK), "scale": np.full(1, pr.scale, np.float32)}
+    shared = {"cm": B.key_tail_mask(sk, BK), "scale": np.full(1, pr.scale, np.float32)}
 
     snk = nk if per_block else 1
     vnni = K.vnni(pr.options())
     # per worker O(hc * Sq * D): kept for the thread's next call only while small
-    small = 4 * hc * (snq * BQ + hkc * snk * BK) * d * 3 <= _REUSED_BYTES
+    small = 4 * hc * (snq * BQ + hkc * snk * BK) * d * 3 <= B.REUSED_BYTES
 
     def scratch():
         if small:
-            return dict(_reused(("bwd", hc, hkc, snq, snk, d, dt, vnni, nest.direct, BQ),
+            return dict(B.reused(("bwd", hc, hkc, snq, snk, d, dt, vnni, nest.direct, BQ),
                                 fresh), **shared)
         return dict(fresh(), **shared)
 
@@ -605,9 +517,9 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
         arrays.update(q=q3[qs], o=o3[qs], do=do3[qs], k=k3[ks], v=v3[ks], lse=lse_p[qs],
                       dq=dq3[qs], dk=dk3[ks], dv=dv3[ks])
         for name, arr in tails.items():
-            arrays[name] = _chunk(arr, c, hc if name[0] in "qod" else hkc)
+            arrays[name] = B.chunk(arr, c, hc if name[0] in "qod" else hkc)
         for name, arr in outs_t.items():
-            arrays[name] = _chunk(arr, c, hc if name == "dqt" else hkc)
+            arrays[name] = B.chunk(arr, c, hc if name == "dqt" else hkc)
         _run_chunk(pr, nest, arrays, c, masks, nq, threads)
 
     schedule(pr.chunks, pr.serial, run, scratch, hkc, pr.chunk_flops)

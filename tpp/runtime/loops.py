@@ -46,6 +46,7 @@ from ..core import checks, loop_bounds
 from ..core import dtypes as _dt
 from ..core.errors import ArgumentError, SpecError, UnsupportedError
 from .device import CPU
+from .aliasing import aliasable_pairs
 from .lru import LRU
 from ..core.loop_spec import (LETTERS, SIZE, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
                         affine, conditions, parse_order, raw_operands, size_symbol)
@@ -232,7 +233,7 @@ class CompiledNest:
                 if isinstance(arg, Address) and op is not None and op.role != "in":
                     written.add(arg.tensor)
         self._written = frozenset(written)
-        self._aliasable = _aliasable_pairs(spec, self._written)
+        self._aliasable = aliasable_pairs(spec, self._written)
         # the host backend's code of the nest and every kernel it calls (one library): its
         # entry takes a call table, `template` filled in but for the tensors, threads and sizes
         host = self._host = registry.for_device(CPU).compile_nest(spec, CPU)
@@ -552,40 +553,6 @@ def _learn_torch() -> bool:
     import torch
     _TORCH_PLAIN.update({torch.Tensor: torch.strided, torch.nn.Parameter: torch.strided})
     return True
-
-
-_IN_PLACE_KINDS = ("map", "map_inv", "compare", "equation")
-
-
-def _aliasable_pairs(spec: LoopNestSpec, written) -> frozenset:
-    """Pairs (w, j), w a written tensor, that may be given the identical array: w and j have
-    the same shape and dtype, and every call that names either names both, in an element-wise
-    kernel, as whole blocks of equal ld at the same offset; each element is then read before it
-    is written, by the same call, as a primitive's own in-place rule allows."""
-    pairs = set()
-    tensors = spec.tensors
-    for w in written:
-        for j in range(len(tensors)):
-            if j != w and tensors[j].shape == tensors[w].shape \
-                    and tensors[j].dtype == tensors[w].dtype \
-                    and all(_same_blocks(call, w, j) for call in spec.calls):
-                pairs.add((w, j))
-    return frozenset(pairs)
-
-
-def _same_blocks(call, w: int, j: int) -> bool:
-    """Whether call leaves tensors w and j alone, or touches both only in the in-place way."""
-    slots = [(arg, op) for arg, op in zip(call.args, raw_operands(call.spec))
-             if isinstance(arg, Address) and arg.tensor in (w, j)]
-    if not slots:
-        return True
-    if call.spec.family == "brgemm" or call.spec.info.kind not in _IN_PLACE_KINDS:
-        return False
-    if {arg.tensor for arg, _ in slots} != {w, j}:
-        return False
-    return (len({arg.offset for arg, _ in slots}) == 1
-            and all(op.layout == "block" for _, op in slots)
-            and len({op.ld for _, op in slots}) == 1)
 
 
 def _check(tensor: Tensor, arr, writable: bool) -> tuple:
