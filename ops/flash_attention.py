@@ -130,7 +130,12 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scal
     dout (q's shape and dtype); every option as the forward was called (seed: the forward's,
     required with dropout). dq like q, dk and dv like k; None where need says so."""
     _host.reject_unknown(attention_backward, unknown)
-    pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed, need_seed=True)
+    pr = None
+    if mask is None and seed is None and (type(dropout_p) is float or type(dropout_p) is int) \
+            and dropout_p == 0:     # the forward's plain case: its validated template
+        pr = _plain_problem(q, k, v, causal, scale)
+    if pr is None:
+        pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed, need_seed=True)
     if not isinstance(need, (tuple, list)) or len(need) != 3:
         raise ArgumentError(f"need must be a tuple of 3 bools, got {need!r}")
     need = tuple(bool(x) for x in need)

@@ -430,3 +430,23 @@ def test_plain_forward_template_checks_every_call_and_keeps_no_data():
     assert ref() is None
     tpp.clear_caches()
     assert not A._PLANS
+
+
+def test_plain_backward_takes_the_forward_template_and_still_checks():
+    """A backward without mask or dropout reuses the plain forward's validated template
+    (_plain_problem); its results equal the checked problem's and bad arguments still fail."""
+    q, k, v, do = _inputs(1, 2, 2, 20, 20, 32)
+    out, lse = A.attention_forward(q, k, v)
+    first = A.attention_backward(do, q, k, v, out, lse)
+    assert A._plain_problem(q, k, v, False, None) is not None
+    again = A.attention_backward(do, q, k, v, out, lse)
+    checked = A.attention_backward(do, q, k, v, out, lse, mask=torch.ones(20, 20, dtype=bool))
+    for a, b, c in zip(first, again, checked):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c)
+    for bad in (dict(k=k[..., :16].contiguous()), dict(dout=do[..., :16].contiguous()),
+                dict(lse=lse[..., :5].contiguous()), dict(v=v.double())):
+        args = dict(dout=do, q=q, k=k, v=v, out=out, lse=lse)
+        args.update(bad)
+        with pytest.raises(ArgumentError):
+            A.attention_backward(**args)
