@@ -176,9 +176,12 @@ def _plan(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
         mask = _mask4(attn_mask, query, (*lead, length, s), batch)
         if mask is None:
             return None
-    q = query.reshape(batch, heads, length, e)
-    k = key.reshape(batch, heads_k, s, e)
-    v = value.reshape(batch, heads_k, s, e)
+    if nd == 4:     # as they are: a reshape would add a view node to autograd's graph each
+        q, k, v = query, key, value
+    else:
+        q = query.reshape(batch, heads, length, e)
+        k = key.reshape(batch, heads_k, s, e)
+        v = value.reshape(batch, heads_k, s, e)
     return _Plan(q, k, v, mask, query.shape, float(scale), dropout_p)
 
 
@@ -232,7 +235,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         out = _plain(_operator().attention(
             plan.q.detach(), plan.k.detach(), plan.v.detach(), mask=_d(plan.mask),
             causal=causal, scale=plan.scale, dropout_p=plan.dropout_p, seed=seed))
-    return out.reshape(plan.shape)
+    return out if out.dim() == len(plan.shape) else out.reshape(plan.shape)
 
 
 class AttentionFunction(torch.autograd.Function):
