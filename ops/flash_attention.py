@@ -47,20 +47,22 @@ thread owning a kv head owns its query heads' dQ, so no two threads write one bl
 
 Compilation and calls: one forward and one backward nest per (head dim, dtype, heads per call,
 group, causal, mask kind, dropout p, block size): a new batch size or sequence length
-compiles nothing once a length of its block class has run (the sequence lengths are sizes of
-the nests; the classes: the longer sequence up to 16, 32, 48, and longer). A nest serves HC consecutive heads of the
-flattened (B * H) heads (HC: the largest divisor of H that is a multiple of the group, at most
-MAX_UNROLL): loop expressions are affine, so one nest cannot index both a runtime head count
-and a runtime sequence length; this module calls it B * H / HC times, spread over Python
-worker threads (each nest on one thread; a nest call releases the GIL) when there are at
-least as many calls as threads, else one after the other, each on every thread. 2-D masks
+compiles nothing (the sequence lengths are sizes of the nests; the forward's first call
+builds the nests of all four block classes, _Problem.nest; a backward compiles once per
+block class: the longer sequence up to 16, 32, 48, and longer). A nest serves HC consecutive
+heads of the flattened (B * H) heads (HC: the largest divisor of H that is a multiple of the
+group, at most MAX_UNROLL): loop expressions are affine, so one nest cannot index both a
+runtime head count and a runtime sequence length; this module calls it B * H / HC times,
+either one after the other, each on every thread, or spread over Python worker threads (each
+nest on one thread; a nest call releases the GIL): ops.attention_schedule decides. 2-D masks
 (varying over queries and keys) run one call per query block (see ops.attention_kernels).
 A forward without mask or dropout on contiguous host data reuses what an earlier call of the
 same shapes, dtypes, causality and scale validated and derived (_plain_problem: the checks,
 the nest, its constant inputs), so its Python cost before the first nest call stays small.
 Memory: the inputs' per-call copies are the last partial block of each head (sequences not a
 multiple of the block; kept by the calling thread for its next calls: ops.attention_buffers);
-the forward's scratch is O(HC) blocks (its query blocks run in order inside a head); the backward's per worker O(HC * Sq * D) (f32 dQ accumulators, the packed query side),
+the forward's scratch is O(HC) blocks (its query blocks run in order inside a head); the
+backward's per worker O(HC * Sq * D) (f32 dQ accumulators, the packed query side),
 HC capped so that that stays near SCRATCH_PER_CALL (B1 H12 S8192 D64 f32 fwd+bwd: about 24 MB
 of peak RSS beyond inputs and outputs, tested in a subprocess); a mask is reblocked to an f32
 additive copy at its own broadcast shape (key masks O(S), 2-D masks O(Sq * Sk) like the
@@ -276,11 +278,12 @@ class _Problem:
         or longer (up to where long sequences take fewer heads per call), compiling nothing,
         at the price of compiling four forward nests at its first call instead of one."""
         own = self.options(mheads)
-        if siblings and self.where is None and \
-                own.hc == _chunk_heads(self.h, self.group, K.BLOCK, self.d, 1):
-            for b in K.BLOCKS:
-                if b != self.block:
-                    build(dataclasses.replace(own, block=b))
+        if siblings and self.where is None and (own, self.h) not in _SIBLINGS_BUILT:
+            if own.hc == _chunk_heads(self.h, self.group, K.BLOCK, self.d, 1):
+                for b in K.BLOCKS:
+                    if b != self.block:
+                        build(dataclasses.replace(own, block=b))
+            _SIBLINGS_BUILT.add((own, self.h))  # (checked once: 15.8 -> 2.4 us a masked call)
         return build(own)
 
     @property
@@ -296,6 +299,8 @@ class _Problem:
 
 _PLANS: dict = {}
 _PLAN_KEYS = 64
+_SIBLINGS_BUILT: set = set()    # (options, heads) whose block-class siblings _Problem.nest built
+also_clear(_SIBLINGS_BUILT.clear)   # (the nests' caches are cleared with it)
 also_clear(_PLANS.clear)        # tpp.clear_caches() drops the templates (and their nests)
 
 
