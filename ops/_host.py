@@ -58,6 +58,12 @@ def host(x, name: str, device: bool = False):
 _CPU_TENSOR_TYPES: set = set()
 
 
+def know_cpu_tensor_types(*types):
+    """Let host() (and the planned calls' signatures, ops.norm_plans) take these torch tensor
+    types at once, before their first sight (torch.Tensor, torch.nn.Parameter)."""
+    _CPU_TENSOR_TYPES.update(types)
+
+
 def _operator() -> str:
     """The public ops entry point the current call came through (the outermost ops frame on
     the stack: ops.layer_norm, ops.torch_norms.LayerNorm.forward, ...), for error messages."""

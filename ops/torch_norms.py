@@ -50,7 +50,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _EPS = {t: torch.finfo(t).eps for t in _DTYPES}     # rms_norm's eps=None
 # the planned calls take the modules' Parameters as they are (ops._host would learn both
 # types at its first sight of each; a planned call's signature needs them known now)
-_host._CPU_TENSOR_TYPES.update((torch.Tensor, torch.nn.Parameter))
+_host.know_cpu_tensor_types(torch.Tensor, torch.nn.Parameter)
 F = torch.nn.functional
 
 
