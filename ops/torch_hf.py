@@ -35,8 +35,7 @@ writes the same way convert alike:
   output / self-output (BertOutput, BertSelfOutput: `dense` Linear, `dropout`, `LayerNorm`,
   forward (hidden_states, input_tensor)): y = LayerNorm(input_tensor + dropout(x W^T + b)) as
   a GEMM without bias, then bias + dropout + residual + LayerNorm in ONE equation
-  (ops.residual_norm through ops.torch_encoder.ResidualNormFunction); where that module is
-  absent, ops.torch.linear + dropout + add + ops.torch.layer_norm.
+  (ops.residual_norm through ops.torch_encoder.ResidualNormFunction).
 
 How a block is converted: the new module is an instance of a subclass of the original's class
 (TPP<ClassName>, built once per class) holding the same __dict__ (shallow copies of its
@@ -65,7 +64,9 @@ model trained with dropout follows a different random stream than the original.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 import weakref
 
 import torch
@@ -102,28 +103,61 @@ def _takes(t) -> bool:
 
 
 def _autocast() -> bool:
-    from ops.torch_attention import _autocast
-    return _autocast()
+    return _late().autocast()
+
+
+@functools.cache
+def _late():
+    """The ops.torch* names the converted forwards call, imported once on first use (those
+    modules import this one: a module-level import would be circular; an import statement
+    per call cost ~1 us each, several per block)."""
+    from ops import torch_attention, torch_encoder, torch_norms
+    from ops import residual_norm
+    from ops.torch import Linear, linear
+    return types.SimpleNamespace(
+        autocast=torch_attention._autocast, draw_seed=torch_attention._draw_seed,
+        sdpa=torch_attention.scaled_dot_product_attention, linear=linear,
+        linear_forwards=(torch.nn.Linear.forward, Linear.forward),
+        norm_forwards=(torch.nn.LayerNorm.forward, torch_norms.LayerNorm.forward),
+        residual_norm=(torch_encoder.ResidualNormFunction, residual_norm))
 
 
 def _linear_forwards():
-    from ops.torch import Linear
-    return (torch.nn.Linear.forward, Linear.forward)
+    return _late().linear_forwards
 
 
 def _linear_like(m) -> bool:
     """torch.nn.Linear or ops.torch.Linear without a fused activation (subclasses with their
-    own forward, e.g. quantised or LoRA layers, are not)."""
-    return (isinstance(m, torch.nn.Module) and type(m).forward in _linear_forwards()
-            and getattr(m, "activation", None) is None
-            and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2)
+    own forward, e.g. quantised or LoRA layers, are not), its weight a registered 2-D
+    parameter (what _weights reads)."""
+    if not (isinstance(m, torch.nn.Module) and type(m).forward in _linear_forwards()):
+        return False
+    # the instance's own attribute, else the class's: nn.Linear has none, and getattr would
+    # go through nn.Module.__getattr__ and raise and catch an AttributeError (~1 us)
+    act = m.__dict__["activation"] if "activation" in m.__dict__ else \
+        getattr(type(m), "activation", None)
+    w = m._parameters.get("weight")
+    return act is None and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def _children(module, *names):
+    """module's registered submodules of these names (None where there is none): what
+    attribute access returns for them, read from its _modules without going through
+    nn.Module.__getattr__ (~0.3 us a name, tens of names a converted block call)."""
+    found = module._modules
+    return tuple(found.get(name) for name in names)
+
+
+def _weights(m):
+    """(weight, bias) of a Linear or LayerNorm as registered parameters (None where absent),
+    read like _children."""
+    found = m._parameters
+    return found.get("weight"), found.get("bias")
 
 
 def _layer_norm_like(m) -> bool:
-    from ops.torch_norms import LayerNorm
     return (isinstance(m, torch.nn.LayerNorm)
-            and type(m).forward in (torch.nn.LayerNorm.forward, LayerNorm.forward)
+            and type(m).forward in _late().norm_forwards
             and len(m.normalized_shape) == 1)
 
 
@@ -154,8 +188,7 @@ def _rows(x, n):
 
 
 def _seed(p):
-    from ops.torch_attention import _draw_seed
-    return _draw_seed() if p > 0.0 else None
+    return _late().draw_seed() if p > 0.0 else None
 
 
 # ---------------------------------------------------------------- the derived classes
@@ -206,10 +239,9 @@ class _Converted:
     def _linear(self, name, x, linear, bias=True, activation=None):
         """act(x @ linear.weight^T (+ linear.bias)) through ops.torch.linear with the weight's
         packed copy cached."""
-        from ops.torch import linear as tpp_linear
         w = linear.weight
         packed = self._packed(name, (w,), lambda: _ops.pack_nk(w.detach()))
-        return tpp_linear(x, w, linear.bias if bias else None, activation, packed=packed)
+        return _late().linear(x, w, linear.bias if bias else None, activation, packed=packed)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -340,20 +372,22 @@ class SelfAttentionMixin(_Converted):
         for name in ("head_mask", "encoder_hidden_states", "encoder_attention_mask"):
             if kwargs.get(name) is not None:
                 return None
-        q, k, v, drop = self.query, self.key, self.value, self.dropout
-        if not (all(_linear_like(t) for t in (q, k, v)) and _dropout_like(drop)):
+        q, k, v, drop = _children(self, "query", "key", "value", "dropout")
+        if not (_linear_like(q) and _linear_like(k) and _linear_like(v) and _dropout_like(drop)):
             return None
         if _hooked(q, k, v, drop) or _autocast():
             return None
-        dtype = q.weight.dtype
-        params = [t for lin in (q, k, v) for t in (lin.weight, lin.bias) if t is not None]
+        weights = (_weights(q), _weights(k), _weights(v))
+        wq = weights[0][0]
+        dtype = wq.dtype
+        params = [t for pair in weights for t in pair if t is not None]
         if not (_takes(x) and x.dim() == 3 and x.dtype == dtype
                 and all(_takes(t) and t.dtype == dtype for t in params)):
             return None
         if torch.overrides.has_torch_function((x, *params)):
             return None
         b, length, e_in = x.shape
-        if not (b and length) or e_in != q.weight.shape[1]:
+        if not (b and length) or e_in != wq.shape[1]:
             return None
         p = drop.p if self.training else 0.0
         if not 0.0 <= p < 1.0:
@@ -364,9 +398,9 @@ class SelfAttentionMixin(_Converted):
         heads, e = self.num_attention_heads, self.all_head_size
         x2 = _rows(x, e_in)
         grad = _wants_grad(x2, *params)
-        from ops.torch_attention import scaled_dot_product_attention
+        scaled_dot_product_attention = _late().sdpa
         if self.fused_qkv:
-            qkv = self._qkv(x2, q, k, v, grad)
+            qkv = self._qkv(x2, weights, grad)
             if grad:
                 qh, kh, vh = _SplitHeads.apply(qkv, b, length, heads)
             else:
@@ -378,11 +412,11 @@ class SelfAttentionMixin(_Converted):
                                          scale=getattr(self, "scaling", None))
         return o.permute(0, 2, 1, 3).reshape(b, length, e)
 
-    def _qkv(self, x2, q, k, v, grad):
-        """x2 @ [Wq; Wk; Wv]^T + [bq; bk; bv] as one GEMM."""
-        from ops.torch import linear
-        ws = (q.weight, k.weight, v.weight)
-        bs = (q.bias, k.bias, v.bias)
+    def _qkv(self, x2, weights, grad):
+        """x2 @ [Wq; Wk; Wv]^T + [bq; bk; bv] as one GEMM; weights: the (weight, bias) pairs
+        of query, key and value."""
+        linear = _late().linear
+        ws, bs = zip(*weights)
         has_b = bs[0] is not None
         if grad:
             # autograd routes the gradient of the concatenation back to the three parameters;
@@ -433,12 +467,13 @@ class IntermediateMixin(_Converted):
     an exact-gelu / relu activation fused into the GEMM."""
 
     def forward(self, hidden_states):
-        dense = self.dense
+        dense, = _children(self, "dense")
         x = hidden_states
-        if not (_linear_like(dense) and _takes(x) and x.dim() >= 2 and not _hooked(dense)
-                and x.dtype == dense.weight.dtype and _takes(dense.weight)
-                and (dense.bias is None or _takes(dense.bias)) and x.shape[-1]
-                == dense.weight.shape[1] and x.numel() and not _autocast()):
+        if not (_linear_like(dense) and _takes(x) and x.dim() >= 2 and not _hooked(dense)):
+            return super().forward(hidden_states)
+        w, bias = _weights(dense)
+        if not (x.dtype == w.dtype and _takes(w) and (bias is None or _takes(bias))
+                and x.shape[-1] == w.shape[1] and x.numel() and not _autocast()):
             return super().forward(hidden_states)
         act = self.intermediate_act_fn
         name = _activation_name(act)
@@ -466,16 +501,6 @@ def _output_convert(m):
     return _swap(m, OutputMixin)
 
 
-def _residual_norm():
-    """(ResidualNormFunction, ops.residual_norm) or None where they are not there."""
-    try:
-        from ops import residual_norm as rn
-        from ops.torch_encoder import ResidualNormFunction
-    except ImportError:
-        return None
-    return ResidualNormFunction, rn
-
-
 class OutputMixin(_Converted):
     """forward of a converted BERT-family output block: LayerNorm(input_tensor +
     dropout(dense(x))), the dense GEMM then one bias + dropout + residual + norm equation."""
@@ -487,16 +512,17 @@ class OutputMixin(_Converted):
         return out
 
     def _fused(self, x, res):
-        dense, norm, drop = self.dense, self.LayerNorm, self.dropout
+        dense, norm, drop = _children(self, "dense", "LayerNorm", "dropout")
         if not (_linear_like(dense) and _layer_norm_like(norm) and _dropout_like(drop)):
             return None
         if _hooked(dense, norm, drop) or _autocast():
             return None
-        dtype = dense.weight.dtype
-        params = [t for t in (dense.weight, dense.bias, norm.weight, norm.bias) if t is not None]
-        n = dense.weight.shape[0]
+        (w, bias), (nw, nb) = _weights(dense), _weights(norm)
+        dtype = w.dtype
+        params = [t for t in (w, bias, nw, nb) if t is not None]
+        n = w.shape[0]
         if not (_takes(x) and _takes(res) and x.dtype == dtype and res.dtype == dtype
-                and x.dim() >= 2 and x.shape[-1] == dense.weight.shape[1]
+                and x.dim() >= 2 and x.shape[-1] == w.shape[1]
                 and res.shape == (*x.shape[:-1], n) and x.numel()
                 and all(_takes(t) and t.dtype == dtype for t in params)
                 and norm.normalized_shape == (n,)):
@@ -507,21 +533,13 @@ class OutputMixin(_Converted):
         if not 0.0 <= p < 1.0:
             return None
         x2, r2 = _rows(x, x.shape[-1]), _rows(res, n)
-        fused = _residual_norm()
-        if fused is None:       # GEMM with bias, torch dropout and add, TPP LayerNorm
-            from ops.torch_norms import layer_norm
-            z = drop(self._linear("dense", x2, dense))
-            y = layer_norm(z + r2, (n,), norm.weight, norm.bias, norm.eps)
-            return y.view(res.shape)
-        function, rn = fused
+        function, rn = _late().residual_norm
         z = self._linear("dense", x2, dense, bias=False)
         if _wants_grad(x2, r2, *params):
-            y, _ = function.apply(z, dense.bias, r2, norm.weight, norm.bias, norm.eps, p,
-                                  _seed(p))
+            y, _ = function.apply(z, bias, r2, nw, nb, norm.eps, p, _seed(p))
         else:
-            y = rn.residual_layer_norm(z.detach(), _d(dense.bias), r2.detach(),
-                                       _d(norm.weight), _d(norm.bias), norm.eps, p, _seed(p),
-                                       want_h=False, stats=False)[0]
+            y = rn.residual_layer_norm(z.detach(), _d(bias), r2.detach(), _d(nw), _d(nb),
+                                       norm.eps, p, _seed(p), want_h=False, stats=False)[0]
         return y.view(res.shape)
 
 

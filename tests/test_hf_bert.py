@@ -245,6 +245,36 @@ def test_fallbacks_and_pickling():
         assert (back(input_ids=ids).last_hidden_state - want).abs().max() <= 1e-4
 
 
+def test_the_fused_path_runs_and_declines_what_it_cannot_read():
+    """Each converted block's fused path serves a plain block (not only its fallback, whose
+    answers are the same), and declines a Linear whose weight is not a registered parameter
+    and a hooked child: the original forward then gives the answer."""
+    fast = ops.torch.optimize(_tiny())
+    layer = fast.encoder.layer[0]
+    x = torch.randn(2, 5, 32)
+    inner = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        assert layer.attention.self._fused(x, None, {}) is not None
+        assert layer.attention.output._fused(x, x) is not None
+        assert layer.output._fused(inner, x) is not None
+        want = layer.attention.output(x, x)
+        # a weight set as a plain tensor attribute (not in _parameters): the original forward
+        dense = layer.attention.output.dense
+        weight = dense.weight
+        del dense.weight
+        dense.weight = weight.detach().clone()
+        assert not hf._linear_like(dense)
+        assert layer.attention.output._fused(x, x) is None
+        assert (layer.attention.output(x, x) - want).abs().max() <= 1e-5
+        dense.weight = torch.nn.Parameter(weight.detach())       # registered again
+        assert layer.attention.output._fused(x, x) is not None
+        handle = layer.output.dropout.register_forward_pre_hook(lambda *a: None)
+        assert layer.output._fused(inner, x) is None
+        handle.remove()
+    act = ops.torch.Linear(4, 3, activation="relu")
+    assert not hf._linear_like(act) and hf._linear_like(torch.nn.Linear(4, 3))
+
+
 def test_bench_model_suite_tiny(tmp_path, capsys):
     from bench import cli
     out = tmp_path / "model.json"
