@@ -42,6 +42,7 @@ from tpp.core.spec import mask_bytes
 
 from . import _host
 from . import norm_graphs as _graphs
+from . import norm_plans as _plans
 from . import norms as _n
 
 __all__ = ["residual_layer_norm", "residual_layer_norm_backward", "bias_dropout_residual"]
@@ -182,6 +183,14 @@ def residual_layer_norm(x, bias, residual, weight=None, ln_bias=None, eps=1e-5, 
     (None unless stats), keep the dropout bitmask (None when p == 0). bias, weight, ln_bias
     may be None; seed: an int (None: a random one from numpy's global stream)."""
     _host.reject_unknown(residual_layer_norm, unknown)
+    # without dropout, a call of a signature a checked call served runs that call's nest
+    # (ops.norm_plans; 1 x 384 f32 torch tensors: ~26 -> ~14 us a call)
+    plan = _plans.signature("rln_fwd", x, (bias, residual, weight, ln_bias),
+                            (eps, p, want_h, stats)) if p == 0 else None
+    r = _n._planned(plan, x, {"x": x, "residual": residual, "bias": bias, "weight": weight,
+                              "ln_bias": ln_bias})
+    if r is not None:
+        return _forward_results(r, x.shape[:-1], x.shape[-1], want_h, stats)
     x2, lead, dt, m, n, res, bias = _inputs(x, bias, residual)
     weight, ln_bias = _n._vector(weight, n, "weight"), _n._vector(ln_bias, n, "ln_bias")
     wdt = _n._param_dtype(weight, ln_bias, dt)
@@ -198,7 +207,12 @@ def residual_layer_norm(x, bias, residual, weight=None, ln_bias=None, eps=1e-5, 
     options = (dt, wdt, bias is not None, weight is not None, ln_bias is not None, p,
                bool(want_h), bool(stats))
     r = _n._run("rln_fwd", n, options, arrays, {}, x2, m,
-                seed=_seed(seed) if p > 0 else None)
+                seed=_seed(seed) if p > 0 else None, plan=plan)
+    return _forward_results(r, lead, n, want_h, stats)
+
+
+def _forward_results(r, lead, n, want_h, stats):
+    """residual_layer_norm's tuple from the nest's results (blocks (m, n), columns (m,))."""
     keep = r.get("keep")
     return (r["y"].reshape(*lead, n),
             r["h"].reshape(*lead, n) if want_h else None,

@@ -154,3 +154,34 @@ def test_drop_in_training_steps_match_torch(counted):
         for p, q in zip(ln.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
     assert counted[0] >= 4      # the later steps' forward and backward were planned
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_residual_layer_norm_plans(counted, kind):
+    """ops.residual_layer_norm without dropout is planned like the norms: the same results bit
+    for bit (every output combination), a residual of another shape fails as before, and
+    calls with dropout always take the checked path (the seed decides the mask)."""
+    import ops.residual_norm as rn
+    g = np.random.default_rng(1)
+    x, res = (g.standard_normal((6, 48), dtype=np.float32) for _ in range(2))
+    b, w, nb = (g.standard_normal(48, dtype=np.float32) for _ in range(3))
+    if kind == "torch":
+        x, res, b, w, nb = (torch.from_numpy(a) for a in (x, res, b, w, nb))
+    for want_h, stats in ((False, False), (True, True)):
+        before = counted[0]
+        checked = rn.residual_layer_norm(x, b, res, w, nb, 1e-5, want_h=want_h, stats=stats)
+        planned = rn.residual_layer_norm(x, b, res, w, nb, 1e-5, want_h=want_h, stats=stats)
+        assert counted[0] == before + 1
+        for c, p in zip(checked, planned):
+            assert (c is None) == (p is None)
+            if c is not None:
+                assert type(c) is type(p) and c.shape == p.shape
+                np.testing.assert_array_equal(np.asarray(p), np.asarray(c))
+    with pytest.raises(ArgumentError):
+        rn.residual_layer_norm(x, b, res[:5], w, nb, 1e-5)
+    before = counted[0]
+    first = rn.residual_layer_norm(x, b, res, w, nb, 1e-5, 0.25, 7, want_h=False, stats=False)
+    again = rn.residual_layer_norm(x, b, res, w, nb, 1e-5, 0.25, 7, want_h=False, stats=False)
+    assert counted[0] == before
+    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(again[0]))
+    np.testing.assert_array_equal(np.asarray(first[4]), np.asarray(again[4]))
