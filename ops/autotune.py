@@ -24,8 +24,13 @@ than the noise margin (`margin`, default 3%).
 
 Winners are stored in the disk cache (tpp.runtime.cache, `TPP_CACHE_DIR`) under a key of
 (N, K, input and output dtype, bias, activation, the CPU's fingerprint; matmul and linear run
-one nest, so they share it): another CPU never reads them. One winner serves every M of that
-weight (the compiled nest runs any M): tune at the M you run most. The winner's panel width
+one nest, so they share it), with the M they were measured at: another CPU never reads them.
+A winner serves the calls of that weight with at least M / SHARE rows (the compiled nest runs
+any M); calls with fewer take the heuristic's nest, compiled on the first such call: a winner
+found at one M can lose far below it (a "BC" order measured at 4096 rows splits a 65..128-row
+call between two threads as one full row block and a sliver: 384 x 384, 70 rows, 2 threads,
+107 us with the heuristic, 174 us with such a winner). Tune at the M you run most. Winners
+stored by an earlier format (without their M) are not read. The winner's panel width
 is stored apart under (N, K, dtype), for ops.pack_kn / pack_nk to pack new weights with it;
 a weight packed with another bn keeps the heuristic. `lookup(...)` and `lookup_bn(...)` read
 them, memoized per process; `forget()` drops the memo (the disk entries stay: delete
@@ -47,7 +52,8 @@ from tpp.core.errors import ArgumentError
 from tpp.runtime import cache, registry
 from tpp.runtime.device import CPU
 
-_FORMAT = "ops.tune/1"
+_FORMAT = "ops.tune/2"     # /2: the value carries the M the winner was measured at
+SHARE = 2                  # a winner serves calls of at least its M / SHARE rows
 _L2_ELEMENTS = (512 * 1024) // 4     # what the model assumes fits in L2 with room to spare
 _OPS = ("matmul", "linear")
 
@@ -117,9 +123,22 @@ def _stored(key: str):
 
 def lookup(n: int, k: int, dtype, out_dtype, bias: bool, activation):
     """The stored winner's Candidate for this problem on this CPU, or None."""
+    found = lookup_with_rows(n, k, dtype, out_dtype, bias, activation)
+    return None if found is None else found[0]
+
+
+def lookup_with_rows(n: int, k: int, dtype, out_dtype, bias: bool, activation):
+    """(Candidate, the fewest rows it serves: its M // SHARE, at least 1) of the stored winner
+    for this problem on this CPU, or None."""
     value = _stored(_key(n, k, dtype, out_dtype, bias, activation))
+    if not isinstance(value, dict):
+        return None
+    value = dict(value)
+    m = value.pop("m", None)
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        return None
     try:
-        return None if value is None else Candidate(**value)
+        return Candidate(**value), max(1, m // SHARE)
     except TypeError:
         return None
 
@@ -228,7 +247,7 @@ def tune(op: str, m: int, n: int, k: int, *, dtype="f32", out_dtype=None, bias: 
     if store and best != base:
         disk = _disk()
         result.stored = (disk.store(_key(n, k, dt, dt_out, bias, activation),
-                                    json.dumps(asdict(best)).encode()) is not None
+                                    json.dumps(dict(asdict(best), m=m)).encode()) is not None
                          and disk.store(_bn_key(n, k, dt), json.dumps(best.bn).encode())
                          is not None)
         from .matmul import forget_tuned

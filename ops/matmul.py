@@ -29,7 +29,9 @@ keeps K whole (a bf16 C cannot carry partial sums). None of it depends on M. Pro
 4 MFLOP whose weight is under 1 MiB run on one thread (decided per call, `serial`): the team's
 wake-up would cost more than it saves; a larger weight is streamed by every core even at M = 1.
 A winner stored by `ops.tune` for the problem on this CPU replaces the heuristic (its bm, kc,
-band order "CB"/"BC" and thread rule; its panel width when the weight was packed with it).
+band order "CB"/"BC" and thread rule; its panel width when the weight was packed with it) for
+calls of at least half the M it was measured at (ops.autotune.SHARE); fewer rows run the
+heuristic's blocking in a second nest (`_Plan.for_rows`).
 
 Nests are compiled per (weight shape, dtypes, bias, activation, blocking), plans (`_Plan`: the
 nest, output dtype and thread rule, validated once) kept by each PackedWeight for the calls it
@@ -251,7 +253,7 @@ def linear_keep(x, packed, bias, activation):
     nest = gemm_nest(n, k, packed.bn, packed.dtype, dt, bias is not None, activation, bl,
                      keep=True)
     z, y = _host.empty((m, n), dt, x), _host.empty((m, n), dt, x)
-    threads = 1 if m < plan.serial_rows else None
+    threads = 1 if m < plan.for_rows(m).serial_rows else None
     nest.call((x, packed.data, z, y) if bias is None else (x, packed.data, z, bias, y),
               threads)
     return z, y
@@ -273,11 +275,13 @@ class _Plan:
     the nest's own kernel for that many rows, called by direct_call without the nest."""
 
     __slots__ = ("nest", "dt_out", "n", "k", "serial_rows", "np_out", "direct", "np_in",
-                 "w_shape", "torch_out")
+                 "w_shape", "torch_out", "tuned_rows", "fewer_rows", "_fewer")
 
     def __init__(self, nest, dt_out, n, k, weight_bytes, single=False, serial_always=False):
         self.nest, self.dt_out, self.n, self.k, self.np_out = nest, dt_out, n, k, dt_out.numpy
         self.torch_out = None
+        # a tuned plan: calls of fewer than tuned_rows rows run the plan fewer_rows() makes
+        self.tuned_rows, self.fewer_rows, self._fewer = 0, None, None
         # the rows below which a call runs on one thread (serial() solved for M)
         self.serial_rows = 0 if not serial(0, weight_bytes) else \
             int(-(-_SERIAL_FLOPS // (2 * n * k)))
@@ -362,6 +366,8 @@ class _Plan:
         """act(a @ packed + bias) into out (None: a new array of a's kind); a is C-contiguous
         (M, K) of the plan's dtype and K, packed of the plan's weight geometry."""
         m = a.shape[0]
+        if m < self.tuned_rows:
+            return self.for_rows(m).run(a, packed, out, bias, name)
         if bias is not None and not _dense(bias):
             bias = _host.contiguous(_host.host(bias, "bias", device=True))
             _host.same_device(**{name: a, "bias": bias})     # a device bias is a mix
@@ -386,11 +392,23 @@ class _Plan:
                        threads)
         return out
 
+    def for_rows(self, m):
+        """The plan serving calls of m rows: this one, or for a tuned plan and m under
+        tuned_rows, the heuristic's (made on the first such call)."""
+        if m >= self.tuned_rows:
+            return self
+        fewer = self._fewer
+        if fewer is None:
+            fewer = self._fewer = self.fewer_rows()
+        return fewer
+
     def run_device(self, a, packed, out, bias, names):
         """`run` for a on a device: the weight, bias and out (None: a new array of a's kind
         from the device's backend) on a's device, else an ArgumentError naming them (names:
         the caller's for a and the weight); the nest runs there (tpp.runtime.loops.CompiledNest
         dispatches by device). Returns out as given, or the new array."""
+        if a.shape[0] < self.tuned_rows:
+            return self.for_rows(a.shape[0]).run_device(a, packed, out, bias, names)
         name = names[0]
         _host.same_device(**{name: a, names[1]: packed.data, "bias": bias, "out": out})
         if bias is not None:
@@ -463,13 +481,14 @@ def _forget_plans():
 also_clear(_forget_plans)
 
 
-def _default_blocking(packed, k, dt, dt_out, has_bias, activation) -> Blocking:
-    """The blocking of a call without blocking=: a winner ops.tune stored for this problem on
-    this CPU (when the weight is packed with its panel width), else choose_blocking's."""
-    tuned = autotune.lookup(packed.n, k, dt, dt_out, has_bias, activation)
-    if tuned is not None and tuned.bn == packed.bn:
-        return tuned.blocking()
-    return choose_blocking(k, dt_out)
+def _default_blocking(packed, k, dt, dt_out, has_bias, activation):
+    """(blocking, rows) for a call without blocking=: a winner ops.tune stored for this
+    problem on this CPU (when the weight is packed with its panel width) and the fewest rows
+    it serves (ops.autotune.SHARE); else choose_blocking's and 0."""
+    found = autotune.lookup_with_rows(packed.n, k, dt, dt_out, has_bias, activation)
+    if found is not None and found[0].bn == packed.bn:
+        return found[0].blocking(), found[1]
+    return choose_blocking(k, dt_out), 0
 
 
 def forget_tuned() -> None:
@@ -526,12 +545,19 @@ def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> 
     if dt_out not in (_dt.F32, _dt.BF16) or (dt == _dt.F32 and dt_out != _dt.F32):
         raise ArgumentError(f"out_dtype {dt_out} with {dt} inputs: f32 gives f32, bf16 gives "
                             f"bf16 or f32")
-    bl = _default_blocking(packed, k, dt, dt_out, has_bias, activation) if blocking is None \
-        else blocking
-    bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
-    nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
-    plan = _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize,
-                 single=bl.kc >= k and packed.n <= packed.bn, serial_always=bl.threads == 1)
+    bl, tuned_rows = _default_blocking(packed, k, dt, dt_out, has_bias, activation) \
+        if blocking is None else (blocking, 0)
+
+    def make(bl):
+        bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
+        nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
+        return _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize,
+                     single=bl.kc >= k and packed.n <= packed.bn,
+                     serial_always=bl.threads == 1)
+    plan = make(bl)
+    if tuned_rows > 1:      # fewer rows take the heuristic's plan (built on first use)
+        plan.tuned_rows = tuned_rows
+        plan.fewer_rows = lambda: make(choose_blocking(k, dt_out))
     if key is not None:
         _PLANS[key] = plan
     return plan

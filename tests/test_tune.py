@@ -75,6 +75,39 @@ def test_the_winner_is_stored_and_used_by_matmul_and_linear(cache_dir, monkeypat
     np.testing.assert_allclose(ops.linear(a, w), a @ b, rtol=1e-4, atol=1e-4)
 
 
+def test_a_winner_serves_calls_near_its_m_and_fewer_rows_take_the_heuristic(cache_dir,
+                                                                            monkeypatch):
+    winner = tune.Candidate(32, 64, 64, "BC")
+    _fake_timing(monkeypatch, lambda cand: 0.5 if cand == winner else 1.0)
+    assert tune.tune("linear", 96, 64, 64, space=[winner]).stored
+    assert tune.lookup_with_rows(64, 64, "f32", "f32", False, None) == (winner, 96 // tune.SHARE)
+    seen = []
+    original = matmul_module.gemm_nest
+    monkeypatch.setattr(matmul_module, "gemm_nest",
+                        lambda *args, **kw: seen.append(args[7]) or original(*args, **kw))
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 64), np.float32)
+    packed = ops.pack_nk(w)
+    heuristic = matmul_module.choose_blocking(64, tune._dt.F32)
+    built = []
+    for m in (96, 200, 48, 47, 1):
+        x = rng.standard_normal((m, 64), np.float32)
+        np.testing.assert_allclose(ops.linear(x, packed), x @ w.T, rtol=1e-4, atol=1e-4)
+        built.append(list(seen))
+    # the winner's nest at the first call, the heuristic's at the first call under 48 rows
+    assert built == [[winner.blocking()]] * 3 + [[winner.blocking(), heuristic]] * 2
+    plan, = packed.plans.values()
+    assert plan.tuned_rows == 48
+    assert plan.for_rows(48) is plan and plan.for_rows(47) is plan.for_rows(1) is not plan
+
+
+def test_winners_of_the_earlier_format_are_not_read(cache_dir):
+    disk = tune._disk()
+    old = tune._key(64, 64, "f32", "f32", False, None)
+    disk.store(old, b'{"bm": 32, "kc": 64, "bn": 64, "order": "BC", "threads": null}')
+    assert tune.lookup(64, 64, "f32", "f32", False, None) is None
+
+
 def test_no_winner_is_stored_when_nothing_beats_the_margin(cache_dir, monkeypatch):
     other = tune.Candidate(32, 64, 32)
     _fake_timing(monkeypatch, lambda cand: 0.99 if cand == other else 1.0)
