@@ -49,15 +49,25 @@ class Options:
 
 
 BLOCKS = (16, 32, 48, BLOCK)   # the block sizes block_for picks
+# The cost of a score element in a block of each size, relative to the 64 x 64 block's:
+# ops.attention forward and forward + backward, f32, head sizes 32 and 64, B1 H12, on
+# sequences that are whole multiples of the blocks compared (128, 384, 512), 2-core Zen 4,
+# AVX-512 and AVX2 code: forward 16: 1.25-1.7, 32: 1.08-1.11, 48: ~1.1; forward + backward
+# 16 and 32: 1.02-1.04. Smaller blocks compute fewer padded scores and pay more per score.
+BLOCK_COST = {16: 1.4, 32: 1.1, 48: 1.15, BLOCK: 1.0}
 
 
 def block_for(sq: int, sk: int) -> int:
-    """The block size of a problem with sq queries and sk keys: BLOCK, or for sequences that
-    fit in one smaller block the next multiple of 16 (a vector of f32 on AVX-512, two on
-    AVX2): a short sequence's one block is not padded to 64 x 64 (S = 16: 1/16 of the work;
-    B1 H12 S16 D32 f32 forward 145 -> 56 us on the 2-core Zen 4, torch's SDPA 29)."""
-    n = max(sq, sk)
-    return BLOCK if n > BLOCK - 16 else max(16, -(-n // 16) * 16)
+    """The block size of a problem with sq queries and sk keys: the one of BLOCKS with the
+    least padded work, ceil(sq / b) * ceil(sk / b) blocks of b * b scores weighted by
+    BLOCK_COST[b] (the larger block on a tie; causal problems are weighed as if whole). A
+    sequence that is a whole number of 64-row blocks keeps them; a short or ragged one takes
+    smaller blocks instead of padding to 64 x 64 (f32, B1 H12 D32, 2-core Zen 4, forward:
+    S = 16 145 -> 56 us, S = 70 209-245 -> 153-162 us, S = 200 660 -> 550; forward + backward
+    S = 70 1080 -> 558 us, S = 200 2297 -> 1883; D64 S = 70 1562 -> 607)."""
+    def work(b):
+        return -(-sq // b) * -(-sk // b) * b * b * BLOCK_COST[b]
+    return min(reversed(BLOCKS), key=work)
 
 
 # ---------------------------------------------------------------- equations

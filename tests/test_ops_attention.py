@@ -244,7 +244,7 @@ def test_new_sizes_compile_nothing():
     for sq in (1, 17, 40, 300):
         A.attention_forward(*_inputs(2, 2, 2, sq, sq, 64)[:3], causal=True)
     assert tpp.cache_info()["compiled"] == before
-    for n in (65, 16, 32, 48):
+    for n in (64, 16, 32, 48):       # one length of each block class (block_for)
         both(1, n, n)
     before = tpp.cache_info()["compiled"]
     for b, sq, sk in [(3, 1, 1), (2, 64, 300), (1, 200, 129), (4, 7, 7), (2, 17, 30),
@@ -253,11 +253,16 @@ def test_new_sizes_compile_nothing():
     assert tpp.cache_info()["compiled"] == before
 
 
-def test_short_sequences_take_small_blocks():
+def test_blocks_follow_the_padded_work():
+    """block_for: a short sequence's one block rounded up to 16, whole multiples of 64 keep
+    64, ragged lengths and a single query over many keys take the block with the least
+    padded work (BLOCK_COST-weighted)."""
     from ops.attention_equations import block_for
-    assert [block_for(n, n) for n in (1, 16, 17, 32, 33, 48, 49, 64, 65, 4096)] == \
-        [16, 16, 32, 32, 48, 48, 64, 64, 64, 64]
-    assert block_for(1, 40) == block_for(40, 1) == 48
+    assert [block_for(n, n) for n in (1, 16, 17, 32, 33, 48, 49, 64, 65, 70, 128, 150, 200,
+                                      256, 500, 4096)] == \
+        [16, 16, 32, 32, 48, 48, 64, 64, 16, 16, 64, 32, 32, 64, 64, 64]
+    assert block_for(1, 40) == block_for(40, 1) == block_for(1, 4096) == 16
+    assert block_for(200, 129) == 32 and block_for(64, 300) == 64
 
 
 def test_threads_give_the_same_result():
