@@ -278,3 +278,48 @@ def test_a_size_only_seeds_use_does_not_redo_the_bounds_check(monkeypatch):
     both.call(tpp.unary("dropout", 1, 16, p=0.5), xs[b], ys[b], ms[b], seed=S + b,
               when=(b < S))
     assert both.compile()._seed_only == frozenset()
+
+
+def test_seed_sizes_ride_the_fast_path(monkeypatch):
+    """A nest whose only keyword sizes are seeds (SEEDLO-style: no tensor gives them, only
+    seeds use them) takes the fast path once a checked call has seen its shapes: each call's
+    seed arrives (equal seeds, equal masks; another seed, another mask, as the checked path
+    gives them), and a call without its seed, with an extra keyword or a seed that is not a
+    plain int in range still goes the checked way and fails or runs as before."""
+    import tpp.runtime.loops as loops
+    M, S = tpp.size("M"), tpp.size("S")
+    nest = tpp.LoopNest("a", a=M)
+    x, y = nest.tensor("x", (M, 16)), nest.tensor("y", (M, 16))
+    mask = nest.tensor("mask", (M, 2), "u8")
+    a, = nest.vars
+    nest.call(tpp.unary("dropout", 1, 16, p=0.5), x[a], y[a], mask[a], seed=S + a)
+    run = nest.compile()
+    checked = []
+    real = loops.CompiledNest._checked_call
+    monkeypatch.setattr(loops.CompiledNest, "_checked_call",
+                        lambda self, *args: (checked.append(args), real(self, *args))[1])
+    xa = np.ones((5, 16), np.float32)
+
+    def masks(seed, **extra):
+        ya, m = np.zeros_like(xa), np.zeros((5, 2), np.uint8)
+        run(xa, ya, m, S=seed, **extra)
+        return m
+
+    first = masks(7)                                   # checked: remembers the shapes
+    assert len(checked) == 1
+    got = {seed: masks(seed) for seed in (7, 8, 7 + 2 ** 40)}
+    assert len(checked) == 1                           # all three on the fast path
+    np.testing.assert_array_equal(got[7], first)
+    assert not np.array_equal(got[7], got[8]) and not np.array_equal(got[8], got[7 + 2 ** 40])
+    for seed, m in got.items():                        # the masks the checked path makes
+        ya, ref = np.zeros_like(xa), np.zeros((5, 2), np.uint8)
+        real(run, (xa, ya, ref), None, {"S": seed})
+        np.testing.assert_array_equal(m, ref)
+    with pytest.raises(ArgumentError, match="size S"):
+        run(xa, np.zeros_like(xa), np.zeros((5, 2), np.uint8))
+    with pytest.raises(ArgumentError):
+        masks(-1)
+    with pytest.raises(ArgumentError):
+        masks(7, T=1)
+    np.testing.assert_array_equal(masks(np.int64(8)), got[8])     # checked, same answer
+    assert len(checked) == 5

@@ -247,7 +247,15 @@ class CompiledNest:
                               if isinstance(dim, Affine) and not dim.const
                               and len(dim.terms) == 1 and dim.terms[0][1] == 1
                               and isinstance(dim.terms[0][0], str))
-        self._inferable = {name for _, _, name in self._binders} == set(self.sizes)
+        bound = {name for _, _, name in self._binders}
+        self._inferable = bound == set(self.sizes)
+        # sizes no tensor gives that only seeds use (a dropout's SEEDLO, SEEDHI): given as
+        # keywords on every call, they change no address, so the fast path takes them too,
+        # into their slots of the size values (position in spec.sizes)
+        free = [name for name in self.sizes if name not in bound]
+        self._seed_slots = tuple((name, self.sizes.index(name)) for name in free) \
+            if free and set(free) <= self._seed_only else ()
+        self._seed_names = frozenset(name for name, _ in self._seed_slots)
         # the common call, checked in a few Python operations: numpy arrays of exactly the
         # declared dtype, C-contiguous, writable where written, of a shape signature already
         # validated by `bind` (with the sizes it gives, and the arrays' byte sizes)
@@ -305,7 +313,8 @@ class CompiledNest:
         nbytes = tuple(math.prod(shape) * t.dtype.itemsize
                        for shape, t in zip(shapes, self.spec.tensors))
         self._check_overlap(addresses, nbytes)
-        if self._inferable and not explicit and device.is_host:
+        if device.is_host and (self._inferable and not explicit or self._seed_slots
+                               and explicit.keys() == self._seed_names):
             self._remember(shapes, values, nbytes)
         if threads is not None:
             threads = checks.thread_count(threads, "threads")
@@ -392,8 +401,19 @@ class CompiledNest:
         declared dtype, C-contiguous, numpy arrays writable where the nest writes; the
         arrays' addresses then only need the overlap check. The table is this thread's own,
         reused by its next call (a call runs to its end before the thread can start another)."""
-        given = args
+        given, keywords = args, named
         plain = self._plain
+        seeds = self._seed_slots
+        if seeds:       # the seed sizes as keywords, every one of them, nothing else
+            if not named or named.keys() != self._seed_names:
+                return None
+            values = []
+            for name, slot in seeds:
+                v = named[name]
+                if type(v) is not int or not 0 <= v <= checks.ADDRESS_LIMIT:
+                    return None
+                values.append((slot, v))
+            named = None
         if named:
             if args or len(named) != len(plain):
                 return None
@@ -433,7 +453,7 @@ class CompiledNest:
             else:
                 if _TORCH_PLAIN or not arrays.is_torch(arr) or not _learn_torch():
                     return None
-                return self._fast_table(args, named, threads)
+                return self._fast_table(args, keywords, threads)
             k += 1
         known = self._signatures.get(tuple(shapes))
         if known is None:
@@ -451,7 +471,11 @@ class CompiledNest:
         table[0] = threads
         table[1:1 + k] = addresses
         if sizes:
-            table[len(table) - len(sizes):len(table)] = sizes
+            base = len(table) - len(sizes)
+            table[base:len(table)] = sizes
+            if seeds:
+                for slot, v in values:
+                    table[base + slot] = v
         return table
 
     @functools.cached_property
