@@ -239,7 +239,7 @@ def linear_keep(x, packed, bias, activation):
     if x.ndim != 2:
         raise ArgumentError(f"x: expected a 2-D (M, K) array, got shape {tuple(x.shape)}")
     # the plain linear's plan validates x, the weight and the bias (and is what a call
-    # without the activation runs); its thread rule and output dtype hold for this nest too
+    # without the activation runs); its output dtype holds for this nest too
     plan = _plan(x, packed, None, bias is not None, None, None, "x")
     if activation is None or activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
@@ -253,7 +253,8 @@ def linear_keep(x, packed, bias, activation):
     nest = gemm_nest(n, k, packed.bn, packed.dtype, dt, bias is not None, activation, bl,
                      keep=True)
     z, y = _host.empty((m, n), dt, x), _host.empty((m, n), dt, x)
-    threads = 1 if m < plan.for_rows(m).serial_rows else None
+    # the heuristic's thread rule, as this nest has its blocking (not a tuned winner's)
+    threads = 1 if m < serial_rows(n, k, k * n * packed.dtype.itemsize) else None
     nest.call((x, packed.data, z, y) if bias is None else (x, packed.data, z, bias, y),
               threads)
     return z, y
@@ -266,6 +267,15 @@ def serial(flops: float, nbytes: int) -> bool:
     each core's share stays in its own L2 across calls); below, the team's wake-up costs more
     than it saves."""
     return flops < _SERIAL_FLOPS and nbytes < _PARALLEL_BYTES
+
+
+def serial_rows(n, k, weight_bytes, always=False) -> int:
+    """The rows below which a call on an (n, k) weight of weight_bytes runs on one thread
+    (serial() solved for M); always: every call (a tuned winner that found the team slower
+    at every M it saw)."""
+    if always:
+        return 1 << 62
+    return 0 if not serial(0, weight_bytes) else int(-(-_SERIAL_FLOPS // (2 * n * k)))
 
 
 class _Plan:
@@ -282,11 +292,7 @@ class _Plan:
         self.torch_out = None
         # a tuned plan: calls of fewer than tuned_rows rows run the plan fewer_rows() makes
         self.tuned_rows, self.fewer_rows, self._fewer = 0, None, None
-        # the rows below which a call runs on one thread (serial() solved for M)
-        self.serial_rows = 0 if not serial(0, weight_bytes) else \
-            int(-(-_SERIAL_FLOPS // (2 * n * k)))
-        if serial_always:         # a tuned winner found the team slower at every M it saw
-            self.serial_rows = 1 << 62
+        self.serial_rows = serial_rows(n, k, weight_bytes, serial_always)
         self.direct = self.np_in = self.w_shape = None
         if single and _DATA_FIELD is not None:
             self._direct_kernels()
