@@ -53,16 +53,22 @@ def split(total, block):
     return cases, full + (tail > 0)
 
 
-def row_blocks(m, bm: int):
+def row_blocks(m, bm: int, pieces=(PIECE,)):
     """How a nest meets the rows of a runtime row count m (a tpp.size expression) in blocks of
     bm: (loop, levels, cases). `loop` runs over the rows (Loop(0, m, 1, blocks=...)) and
     appears `levels` times in the order string (the first, bm at a time, is the one to make
     parallel); each case is (rows, guard builder): the guard builder takes the loop's value r,
     a row, and gives the when= conditions under which a kernel of `rows` rows starts at r.
-    Full blocks of bm rows, then the rows past them in pieces of PIECE rows (when bm is a
-    multiple of PIECE), then single rows: every row is covered exactly once, by at most three
-    kernels, whatever m is (0 included)."""
-    steps = [bm] + ([PIECE] if bm > PIECE and bm % PIECE == 0 else []) + ([1] if bm > 1 else [])
+    Full blocks of bm rows, then the rows past them in pieces of each size of `pieces`
+    (descending; each used when the size before it is a multiple of it), then single rows:
+    every row is covered exactly once, by at most one kernel of each size, whatever m is
+    (0 included)."""
+    steps = [bm]
+    for piece in pieces:
+        if 1 < piece < steps[-1] and steps[-1] % piece == 0:
+            steps.append(piece)
+    if bm > 1:
+        steps.append(1)
     loop = tpp.Loop(0, m, steps[-1], blocks=tuple(steps[:-1]))
     cases = []
     for k, rows in enumerate(steps):

@@ -128,6 +128,21 @@ def test_matmul_matches_numpy(m, n, k, dtype, out_dtype, has_bias, act, blocking
     _assert_gemm(y, a, b, bias, act, dt_out)
 
 
+def test_every_row_count_is_covered_once_by_the_remainder_pieces():
+    """One packed weight, every M from 0 to 75: the rows past the whole 64-row blocks run as
+    at most one kernel each of 8, 4, 2 and 1 rows (ops.matmul.REMAINDER_PIECES), each row once."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 24)).astype(np.float32)
+    bias = rng.standard_normal(40).astype(np.float32)
+    packed = ops.pack_nk(w)
+    for m in range(76):
+        x = rng.standard_normal((m, 24)).astype(np.float32)
+        np.testing.assert_allclose(ops.linear(x, packed, bias, "relu"),
+                                   np.maximum(x @ w.T + bias, 0), rtol=1e-5, atol=1e-5)
+    plan, = packed.plans.values()
+    assert {k.m for k in plan.nest.spec.kernel_specs()} == {64, 8, 4, 2, 1}
+
+
 @pytest.mark.parametrize("act", ACTS)
 def test_matmul_bias_and_each_activation(act):
     a, b, bias = _problem(5, 65, 70, 130, "f32", "f32")
