@@ -244,17 +244,24 @@ def test_generated_nest_keeps_compile_time_kernels():
     assert "vfmadd" in tpp.kernel(mm).dump("asm")
 
 
-def test_a_size_only_seeds_use_does_not_redo_the_bounds_check(monkeypatch):
-    """A per-call seed passed as a size moves no address: a new seed value needs no new
-    bounds check; a size that also moves an address still does."""
-    import tpp.runtime.loops as loops
+def _dropout_nest():
+    """x (M, 16) -> y and its keep mask (M, 2) u8 by a dropout TPP per row, seeded with the
+    size S + row (a size only seeds use)."""
     M, S = tpp.size("M"), tpp.size("S")
     nest = tpp.LoopNest("a", a=M)
     x, y = nest.tensor("x", (M, 16)), nest.tensor("y", (M, 16))
     mask = nest.tensor("mask", (M, 2), "u8")
     a, = nest.vars
     nest.call(tpp.unary("dropout", 1, 16, p=0.5), x[a], y[a], mask[a], seed=S + a)
-    run = nest.compile()
+    return nest.compile()
+
+
+def test_a_size_only_seeds_use_does_not_redo_the_bounds_check(monkeypatch):
+    """A per-call seed passed as a size moves no address: a new seed value needs no new
+    bounds check; a size that also moves an address still does."""
+    import tpp.runtime.loops as loops
+    M, S = tpp.size("M"), tpp.size("S")
+    run = _dropout_nest()
     assert run._seed_only == {"S"}
     calls = []
     real = loops.loop_bounds.check
@@ -287,13 +294,7 @@ def test_seed_sizes_ride_the_fast_path(monkeypatch):
     gives them), and a call without its seed, with an extra keyword or a seed that is not a
     plain int in range still goes the checked way and fails or runs as before."""
     import tpp.runtime.loops as loops
-    M, S = tpp.size("M"), tpp.size("S")
-    nest = tpp.LoopNest("a", a=M)
-    x, y = nest.tensor("x", (M, 16)), nest.tensor("y", (M, 16))
-    mask = nest.tensor("mask", (M, 2), "u8")
-    a, = nest.vars
-    nest.call(tpp.unary("dropout", 1, 16, p=0.5), x[a], y[a], mask[a], seed=S + a)
-    run = nest.compile()
+    run = _dropout_nest()
     checked = []
     real = loops.CompiledNest._checked_call
     monkeypatch.setattr(loops.CompiledNest, "_checked_call",

@@ -33,6 +33,15 @@ def _fake_timing(monkeypatch, seconds):
     monkeypatch.setattr(tune, "_time", lambda run: seconds(run()))
 
 
+def _built_blockings(monkeypatch):
+    """The list of blockings gemm_nest builds nests with from now on (appended per build)."""
+    seen = []
+    original = matmul_module.gemm_nest
+    monkeypatch.setattr(matmul_module, "gemm_nest",
+                        lambda *args, **kw: seen.append(args[7]) or original(*args, **kw))
+    return seen
+
+
 def test_candidates_are_valid_and_start_with_the_heuristic():
     space = tune.candidates(100, 96, 300, tune._dt.F32, tune._dt.F32)
     assert space[0] == tune.heuristic(300, 96, tune._dt.F32)
@@ -60,10 +69,7 @@ def test_the_winner_is_stored_and_used_by_matmul_and_linear(cache_dir, monkeypat
     assert tune.lookup_bn(80, 128, "f32") == 32
     assert tune.lookup(80, 128, "f32", "f32", True, None) is None     # another problem
 
-    seen = []
-    original = matmul_module.gemm_nest
-    monkeypatch.setattr(matmul_module, "gemm_nest",
-                        lambda *args, **kw: seen.append(args[7]) or original(*args, **kw))
+    seen = _built_blockings(monkeypatch)
     rng = np.random.default_rng(0)
     a = rng.standard_normal((70, 128), np.float32)
     b = rng.standard_normal((128, 80), np.float32)
@@ -81,10 +87,7 @@ def test_a_winner_serves_calls_near_its_m_and_fewer_rows_take_the_heuristic(cach
     _fake_timing(monkeypatch, lambda cand: 0.5 if cand == winner else 1.0)
     assert tune.tune("linear", 96, 64, 64, space=[winner]).stored
     assert tune.lookup_with_rows(64, 64, "f32", "f32", False, None) == (winner, 96 // tune.SHARE)
-    seen = []
-    original = matmul_module.gemm_nest
-    monkeypatch.setattr(matmul_module, "gemm_nest",
-                        lambda *args, **kw: seen.append(args[7]) or original(*args, **kw))
+    seen = _built_blockings(monkeypatch)
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 64), np.float32)
     packed = ops.pack_nk(w)
