@@ -559,11 +559,12 @@ def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> 
     bl, tuned_rows = _default_blocking(packed, k, dt, dt_out, has_bias, activation) \
         if blocking is None else (blocking, 0)
 
+    n, bn = packed.n, packed.bn     # (the plans outlive the weight: not kept by make)
+
     def make(bl):
         bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
-        nest = gemm_nest(packed.n, k, packed.bn, dt, dt_out, has_bias, activation, bl)
-        return _Plan(nest, dt_out, packed.n, k, k * packed.n * dt.itemsize,
-                     single=bl.kc >= k and packed.n <= packed.bn,
+        nest = gemm_nest(n, k, bn, dt, dt_out, has_bias, activation, bl)
+        return _Plan(nest, dt_out, n, k, k * n * dt.itemsize, single=bl.kc >= k and n <= bn,
                      serial_always=bl.threads == 1)
     plan = make(bl)
     if tuned_rows > 1:      # fewer rows take the heuristic's plan (built on first use)

@@ -184,7 +184,7 @@ def residual_layer_norm(x, bias, residual, weight=None, ln_bias=None, eps=1e-5, 
     may be None; seed: an int (None: a random one from numpy's global stream)."""
     _host.reject_unknown(residual_layer_norm, unknown)
     # without dropout, a call of a signature a checked call served runs that call's nest
-    # (ops.norm_plans; 1 x 384 f32 torch tensors: ~26 -> ~14 us a call)
+    # (ops.norm_plans; 1 x 384 f32 torch tensors: 25.9 -> 19.7 us a call)
     plan = _plans.signature("rln_fwd", x, (bias, residual, weight, ln_bias),
                             (eps, p, want_h, stats)) if p == 0 else None
     r = _n._planned(plan, x, {"x": x, "residual": residual, "bias": bias, "weight": weight,

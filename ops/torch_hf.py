@@ -129,15 +129,23 @@ def _linear_forwards():
 def _linear_like(m) -> bool:
     """torch.nn.Linear or ops.torch.Linear without a fused activation (subclasses with their
     own forward, e.g. quantised or LoRA layers, are not), its weight a registered 2-D
-    parameter (what _weights reads)."""
-    if not (isinstance(m, torch.nn.Module) and type(m).forward in _linear_forwards()):
+    parameter and its bias a registered one or None (what _weights reads)."""
+    if not (isinstance(m, torch.nn.Module) and type(m).forward in _linear_forwards()
+            and _registered(m)):
         return False
     # the instance's own attribute, else the class's: nn.Linear has none, and getattr would
     # go through nn.Module.__getattr__ and raise and catch an AttributeError (~1 us)
     act = m.__dict__["activation"] if "activation" in m.__dict__ else \
         getattr(type(m), "activation", None)
-    w = m._parameters.get("weight")
+    w = m._parameters["weight"]
     return act is None and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def _registered(m) -> bool:
+    """Whether m's weight and bias are registered parameters (None allowed: no bias, no
+    affine), not plain attributes set in their place, which _weights would not see."""
+    found = m._parameters
+    return "weight" in found and "bias" in found
 
 
 def _children(module, *names):
@@ -149,16 +157,16 @@ def _children(module, *names):
 
 
 def _weights(m):
-    """(weight, bias) of a Linear or LayerNorm as registered parameters (None where absent),
-    read like _children."""
+    """(weight, bias) of a Linear or LayerNorm whose parameters are _registered (each None
+    where the module has none), read like _children."""
     found = m._parameters
-    return found.get("weight"), found.get("bias")
+    return found["weight"], found["bias"]
 
 
 def _layer_norm_like(m) -> bool:
     return (isinstance(m, torch.nn.LayerNorm)
             and type(m).forward in _late().norm_forwards
-            and len(m.normalized_shape) == 1)
+            and len(m.normalized_shape) == 1 and _registered(m))
 
 
 def _dropout_like(m) -> bool:

@@ -268,6 +268,15 @@ def test_the_fused_path_runs_and_declines_what_it_cannot_read():
         assert (layer.attention.output(x, x) - want).abs().max() <= 1e-5
         dense.weight = torch.nn.Parameter(weight.detach())       # registered again
         assert layer.attention.output._fused(x, x) is not None
+        # the same for the dense layer's bias and the LayerNorm's weight
+        for module, name in ((dense, "bias"), (layer.attention.output.LayerNorm, "weight")):
+            param = getattr(module, name)
+            delattr(module, name)
+            setattr(module, name, param.detach().clone())
+            assert layer.attention.output._fused(x, x) is None
+            assert (layer.attention.output(x, x) - want).abs().max() <= 1e-5
+            setattr(module, name, torch.nn.Parameter(param.detach()))
+        assert layer.attention.output._fused(x, x) is not None
         handle = layer.output.dropout.register_forward_pre_hook(lambda *a: None)
         assert layer.output._fused(inner, x) is None
         handle.remove()
