@@ -122,15 +122,11 @@ def _late():
         residual_norm=(torch_encoder.ResidualNormFunction, residual_norm))
 
 
-def _linear_forwards():
-    return _late().linear_forwards
-
-
 def _linear_like(m) -> bool:
     """torch.nn.Linear or ops.torch.Linear without a fused activation (subclasses with their
     own forward, e.g. quantised or LoRA layers, are not), its weight a registered 2-D
     parameter and its bias a registered one or None (what _weights reads)."""
-    if not (isinstance(m, torch.nn.Module) and type(m).forward in _linear_forwards()
+    if not (isinstance(m, torch.nn.Module) and type(m).forward in _late().linear_forwards
             and _registered(m)):
         return False
     # the instance's own attribute, else the class's: nn.Linear has none, and getattr would

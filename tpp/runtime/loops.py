@@ -501,7 +501,7 @@ class CompiledNest:
 
     def _check_overlap(self, addresses, nbytes):
         """A tensor the nest writes may not share memory with another tensor of the call,
-        except as the identical array where the nest allows it (see _aliasable_pairs).
+        except as the identical array where the nest allows it (see aliasing.aliasable_pairs).
 
         One sweep over the tensors in address order finds whether any two overlap at all
         (the usual answer: none; O(N log N) instead of a written x all pairs loop, 15 -> ~4 us
