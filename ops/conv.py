@@ -55,8 +55,8 @@ Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images (host
 sum of dy as it is). At most 4 input channels per group (the stem, depthwise; host data):
 the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps;
 bf16: the data and weight gradients on vdpbf16ps, the forward without channel padding). The
-data gradient's packed weight is made from the forward's where that is faster
-(conv_layout.pack_transposed: f32).
+data gradient's packed weight is made from the forward's when that is at hand (turning its
+blocks is faster than packing w afresh: conv_layout.pack_transposed).
 
 1x1 layers (no padding, groups 1, f32 or bf16, host data; strided ones on their selected
 pixels, ops.conv_subsample) run as GEMMs on the NCHW arrays as they are (ops.conv_pointwise;
@@ -92,7 +92,7 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
     _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest, _vector_nest, to_blocked,
     from_blocked, pack_weight, pack_transposed, transpose_packed, _pad_bias, _size,
-    nchw_output, write_nchw, _dw_out_nest, TURN_DTYPES, _check_xb
+    nchw_output, write_nchw, _dw_out_nest, _check_xb
 )
 
 

@@ -335,13 +335,13 @@ def _weight_blocks_nest(groups, rowsp, colsp, r, s, brow, bcol, flip, dtype):
     return nest.compile()
 
 
-# The forward packing of a large f32 weight without padded blocks goes by slabs: per output
+# The forward packing of a large weight without padded blocks goes by slabs: per output
 # block, all its input channels' filters transposed at once ((bk, bc*rs) -> a (bc*rs, bk)
-# slab, in cache) and each tap's (bc, bk) rows copied out of it, one pass over w instead of
-# two over a weight-sized intermediate (pack_weight's two steps). 2 cores, f32, one process,
-# interleaved: 3x3 512 1.06-1.09 -> 0.53-0.62 ms, 3x3 256 0.115 -> 0.082, 1x1 2048x512 0.25
-# -> 0.12; under 1 MiB the two ways are level (3x3 128: 0.04-0.06 ms either way).
-SLAB_DTYPES = (_dt.F32,)         # bf16 blocks are VNNI pairs, made by the two steps
+# slab, in cache) and each tap's (bc, bk) rows copied out of it (bf16: as VNNI pairs), one
+# pass over w instead of two over a weight-sized intermediate (pack_weight's two steps).
+# 2 cores, one process, interleaved: f32 3x3 512 1.06-1.09 -> 0.53-0.62 ms, 3x3 256 0.115 ->
+# 0.082, 1x1 2048x512 0.25 -> 0.12; bf16 3x3 512 0.48 -> 0.29, 3x3 256 0.071 -> 0.061, 1x1
+# 2048x512 0.138 -> 0.112; under 1 MiB the two ways are level (3x3 128: 0.04-0.06 ms).
 SLAB_BYTES = 1 << 20
 
 
@@ -355,10 +355,13 @@ def _weight_slab_nest(k, cg, rs, groups, bk, bc, dtype):
     g, i, j = nest.vars
     w = nest.tensor("w", (k, cg * rs), dtype)
     slabs = nest.tensor("slabs", (groups * kb, bc * rs, bk), dtype)
-    wb = nest.tensor("wb", (groups * kb, cb, rs, bc, bk), dtype)
+    wb = nest.tensor("wb", (groups * kb, cb, rs) + ((bc // 2, 2 * bk) if dtype == _dt.BF16
+                                                     else (bc, bk)), dtype)
     nest.call(tpp.make_unary("transpose", bk, bc * rs, ldi=cg * rs, ldo=bk, dtype_in=dtype),
               w[g * kg + i * bk, j * bc * rs], slabs[g * kb + i, 0, 0])
-    copy = tpp.make_unary("identity", bc, bk, ldi=rs * bk, ldo=bk, dtype_in=dtype)
+    vnni = dtype == _dt.BF16
+    copy = tpp.make_unary("vnni2" if vnni else "identity", bc, bk, ldi=rs * bk,
+                          ldo=2 * bk if vnni else bk, dtype_in=dtype)
     for t in range(rs):     # slab row c*rs + t is channel c of tap t
         nest.call(copy, slabs[g * kb + i, t, 0], wb[g * kb + i, j, t])
     return nest.compile()
@@ -462,8 +465,8 @@ def _turn_nest(groups, kb, cb, r, s, bc, bk, dtype):
 def transpose_packed(wb: BlockedWeight) -> BlockedWeight:
     """The data gradient's packed weight (pack_weight(w, ..., transposed=True)) made from the
     forward's packed weight of the same w: one transpose per block (bf16: unpack, transpose,
-    repack), where packing w afresh reads it with strides of a whole filter (3x3 512 f32, 2
-    cores: ~0.7 against ~1.5 ms; see TURN_DTYPES)."""
+    repack), where packing w afresh reads it with strides of a whole filter (see
+    pack_transposed)."""
     if not isinstance(wb, BlockedWeight) or wb.transposed:
         raise ArgumentError(f"transpose_packed: expected a forward packed weight "
                             f"(pack_weight(w, groups, dtype)), got {wb!r}")
@@ -488,16 +491,12 @@ def transpose_packed(wb: BlockedWeight) -> BlockedWeight:
     return BlockedWeight(wbt, wb.shape, wb.groups, True)
 
 
-# dtypes whose data-gradient weight is made from the forward's packed weight when there is one
-# (transpose_packed); bf16 packs w afresh: its blocks need unpacking and repacking, and the
-# two ways ran level (3x3 512: f32 ~0.7 against ~1.5 ms, bf16 ~0.35 against ~0.3 ms, 2 cores)
-TURN_DTYPES = (_dt.F32,)
-
-
 def pack_transposed(w, groups, dtype, forward=None) -> BlockedWeight:
     """pack_weight(w, groups, dtype, transposed=True), from `forward` (w's forward packed
-    weight) where that is faster (TURN_DTYPES)."""
-    if forward is not None and dtype in TURN_DTYPES:
+    weight) when there is one: turning its blocks is faster than reading w with strides of a
+    whole filter (2 cores, interleaved: 3x3 512 f32 0.80 against 0.97 ms, bf16 0.44-0.49
+    against 0.55-0.62; 3x3 256 f32 0.050 / 0.121, bf16 0.058 / 0.096)."""
+    if forward is not None:
         return transpose_packed(forward)
     return pack_weight(w, groups, dtype, transposed=True)
 
@@ -514,14 +513,15 @@ def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
     # every core for large weights, wt zeroed only for padded blocks (3x3 512 @7 bf16
     # train step, 2 cores, batch 4: 12.5-16 -> 10.6-13.7 ms, a busy machine)
     threads = _threads(64 * k * cg * rs)
-    if (not transposed and dtype in SLAB_DTYPES and (cgp, kgp) == (cg, kg)
+    if (not transposed and (cgp, kgp) == (cg, kg)
             and k * cg * rs * dtype.itemsize >= SLAB_BYTES and not _host.on_device(w)):
         kb = kg // bk
         slabs = _host.scratch("conv_pack_slabs", (groups * kb, bc * rs, bk), dtype)
-        wb = _host.empty((groups * kb, cg // bc, rs, bc, bk), dtype, w)
+        block_shape = (bc // 2, 2 * bk) if dtype == _dt.BF16 else (bc, bk)
+        wb = _host.empty((groups * kb, cg // bc, rs) + block_shape, dtype, w)
         _weight_slab_nest(k, cg, rs, groups, bk, bc, dtype)(
             _host.reshape(w3, (k, cg * rs)), slabs, wb, threads=threads)
-        return BlockedWeight(_host.reshape(wb, (groups * kb, cg // bc, r, s, bc, bk)),
+        return BlockedWeight(_host.reshape(wb, (groups * kb, cg // bc, r, s) + block_shape),
                              (k, cg, r, s), groups, False)
     alloc = _host.empty if (cgp, kgp) == (cg, kg) else _host.zeros     # zeroed: padding
     if transposed:

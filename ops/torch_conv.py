@@ -101,8 +101,7 @@ class Conv2dFunction(torch.autograd.Function):
         # the blocked x the forward made: the weight gradient reads it (no second conversion);
         # its packed weight where the data gradient's is made from it (conv.pack_transposed)
         ctx.xb = xb if ctx.needs_input_grad[1] else None
-        ctx.wb = wb if ctx.needs_input_grad[0] and wb is not None and \
-            _c._host.dtype_of(wb.data, "packed") in _c.TURN_DTYPES else None
+        ctx.wb = wb if ctx.needs_input_grad[0] else None
         return y
 
     @staticmethod
