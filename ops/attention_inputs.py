@@ -59,18 +59,26 @@ def _mask(mask, shape, dt, device=False):
     if not ok:
         raise ArgumentError(f"mask: shape {mshape} does not broadcast to (B, H, Sq, Sk) = "
                             f"{shape}")
-    m = _numpy(_host.contiguous(mask))
-    if native == "bool":
-        add = np.where(m, np.float32(0), np.float32(-np.inf)).astype(np.float32)
-    else:
+    if native != "bool":
         mdt = _dtype(mask, "mask")
         if mdt not in (_dt.F32, dt):
             raise ArgumentError(f"mask: an additive mask must be f32 or q's dtype ({dt}), got "
                                 f"{mask.dtype}")
-        add = np.asarray(m, np.float32)
-    add = add.reshape((1,) * (4 - len(mshape)) + mshape)
+    add = additive(mask)
     kind = "key" if add.shape[2] == 1 else "full"
     return kind, add
+
+
+def additive(mask):
+    """The additive f32 form of a host mask that _mask accepted (bool: 0 where True, -inf
+    where False), as a 4-D numpy array: what the nests add to the scores. Its kind ("key" or
+    "full") depends on the mask's shape alone."""
+    m = _numpy(_host.contiguous(mask))
+    if m.dtype == np.bool_:
+        add = np.where(m, np.float32(0), np.float32(-np.inf))
+    else:
+        add = np.asarray(m, np.float32)
+    return add.reshape((1,) * (4 - m.ndim) + m.shape)
 
 
 def _mask_to_host(mask):

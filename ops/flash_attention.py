@@ -56,9 +56,10 @@ runtime head count and a runtime sequence length; this module calls it B * H / H
 either one after the other, each on every thread, or spread over Python worker threads (each
 nest on one thread; a nest call releases the GIL): ops.attention_schedule decides. 2-D masks
 (varying over queries and keys) run one call per query block (see ops.attention_kernels).
-A forward without mask or dropout on contiguous host data reuses what an earlier call of the
-same shapes, dtypes, causality and scale validated and derived (_plain_problem: the checks,
-the nest, its constant inputs), so its Python cost before the first nest call stays small.
+A call without dropout on contiguous host data reuses what an earlier call of the same
+shapes, dtypes, causality, scale and mask shape and dtype validated and derived
+(_plain_problem: the checks, the nest, its constant inputs; the mask's values are read
+afresh), so its Python cost before the first nest call stays small.
 Memory: the inputs' per-call copies are the last partial block of each head (sequences not a
 multiple of the block; kept by the calling thread for its next calls: ops.attention_buffers);
 the forward's scratch is O(HC) blocks (its query blocks run in order inside a head); the
@@ -100,7 +101,7 @@ from tpp.runtime.lru import also_clear
 
 from . import _host
 from . import attention_kernels as K
-from .attention_inputs import _dtype, _mask, _mask_slabs, _numpy, _result
+from .attention_inputs import _dtype, _mask, _mask_slabs, _numpy, _result, additive
 from . import attention_buffers as B
 from .attention_schedule import schedule
 
@@ -133,9 +134,9 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scal
     required with dropout). dq like q, dk and dv like k; None where need says so."""
     _host.reject_unknown(attention_backward, unknown)
     pr = None
-    if mask is None and seed is None and (type(dropout_p) is float or type(dropout_p) is int) \
+    if seed is None and (type(dropout_p) is float or type(dropout_p) is int) \
             and dropout_p == 0:     # the forward's plain case: its validated template
-        pr = _plain_problem(q, k, v, causal, scale)
+        pr = _plain_problem(q, k, v, causal, scale, mask)
     if pr is None:
         pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed, need_seed=True)
     if not isinstance(need, (tuple, list)) or len(need) != 3:
@@ -304,13 +305,15 @@ also_clear(_SIBLINGS_BUILT.clear)   # (the nests' caches are cleared with it)
 also_clear(_PLANS.clear)        # tpp.clear_caches() drops the templates (and their nests)
 
 
-def _plain_problem(q, k, v, causal, scale):
-    """The _Problem of a forward on C-contiguous numpy arrays or CPU torch tensors (of a
-    tensor type seen before, not requiring grad) q, k and v without mask or dropout, from a
-    template per (type, shapes, dtypes, causal, scale) that _Problem validated and set up
-    before (its arrays dropped): the same object for a fraction of the cost (_Problem's
-    checks run ~60 us right after a large call, whose data has evicted the interpreter's
-    working set, ~2% of a B8 H12 S128 call on 2 threads), or None for other arguments."""
+def _plain_problem(q, k, v, causal, scale, mask=None):
+    """The _Problem of a call without dropout on C-contiguous numpy arrays or CPU torch
+    tensors (of a tensor type seen before, not requiring grad) q, k and v, and a mask of the
+    same kind or None, from a template per (type, shapes, dtypes, causal, scale, the mask's
+    shape and dtype) that _Problem validated and set up before (its arrays dropped): the same
+    object for a fraction of the cost (_Problem's checks run ~60 us right after a large call,
+    whose data has evicted the interpreter's working set, ~2% of a B8 H12 S128 call on 2
+    threads), or None for other arguments. The mask's values are read every call
+    (attention_inputs.additive); its kind follows from its shape."""
     t = type(q)
     if type(k) is not t or type(v) is not t or type(causal) is not bool \
             or not (scale is None or type(scale) is float):
@@ -318,21 +321,28 @@ def _plain_problem(q, k, v, causal, scale):
     if t is np.ndarray:
         if not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
             return None
+        if mask is not None and type(mask) is not np.ndarray:
+            return None
     elif t in _host._CPU_TENSOR_TYPES:
         for x in (q, k, v):
             if not x.is_cpu or x.requires_grad or not x.is_contiguous():
                 return None
+        if mask is not None and (type(mask) not in _host._CPU_TENSOR_TYPES
+                                 or not mask.is_cpu or mask.requires_grad):
+            return None
     else:
         return None
-    key = (t, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, scale)
+    key = (t, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, causal, scale,
+           None if mask is None else (tuple(mask.shape), mask.dtype))
     plan = _PLANS.get(key)
     if plan is None:
-        pr = _Problem(q, k, v, None, causal, scale, 0.0, None)     # validates: may raise
+        pr = _Problem(q, k, v, mask, causal, scale, 0.0, None)     # validates: may raise
         if pr.where is not None:
             return pr
         plan = object.__new__(_Problem)
         plan.__dict__.update(pr.__dict__)
-        plan.q = plan.k = plan.v = None     # the template keeps no caller's data alive
+        # the template keeps no caller's data alive
+        plan.q = plan.k = plan.v = plan.mask = None
         if len(_PLANS) >= _PLAN_KEYS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -343,6 +353,8 @@ def _plain_problem(q, k, v, causal, scale):
         pr.q, pr.k, pr.v = q, k, v
     else:
         pr.q, pr.k, pr.v = _numpy(q), _numpy(k), _numpy(v)
+    if mask is not None:
+        pr.mask = additive(mask)
     return pr
 
 
@@ -372,9 +384,9 @@ _number = _host.finite_number
 # ---------------------------------------------------------------- forward
 def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
     pr = None
-    if mask is None and seed is None and (type(dropout_p) is float or type(dropout_p) is int) \
+    if seed is None and (type(dropout_p) is float or type(dropout_p) is int) \
             and dropout_p == 0:
-        pr = _plain_problem(q, k, v, causal, scale)
+        pr = _plain_problem(q, k, v, causal, scale, mask)
     if pr is None:
         pr = _Problem(q, k, v, mask, causal, scale, dropout_p, seed)
     if pr.where is not None:
@@ -424,11 +436,9 @@ def _forward_run(pr, out3, lse_p, nq, nk):
         return arrays
 
     masks, mheads = _mask_slabs(pr, nq, nk)
-    nest = pr.memo.get("nest") if masks is None else None
+    nest = pr.memo.get(("nest", mheads))
     if nest is None:
-        nest = pr.nest(K.forward, mheads, siblings=True)
-        if masks is None:
-            pr.memo["nest"] = nest
+        nest = pr.memo[("nest", mheads)] = pr.nest(K.forward, mheads, siblings=True)
 
     def run(c, arrays, threads):
         arrays.update(q=q3[c * hc:(c + 1) * hc], k=k3[c * hkc:(c + 1) * hkc],

@@ -198,6 +198,8 @@ def _mask4(mask, query, full, batch):
     shape = (1,) * (len(full) - mask.dim()) + tuple(mask.shape)
     if any(m not in (1, f) for m, f in zip(shape, full)):
         return None
+    if len(shape) == mask.dim() == 4:     # (B or 1, ..): already the operator's form
+        return mask
     m = mask.reshape(shape)
     if len(full) == 2:
         return m.reshape(1, 1, *shape)

@@ -413,7 +413,7 @@ def test_plain_forward_template_checks_every_call_and_keeps_no_data():
     first = ops.attention(q, k, v)
     assert len(A._PLANS) == 1
     again = ops.attention(q, k, v)                  # from the template
-    masked = ops.attention(q, k, v, mask=np.zeros((70, 70), np.float32))   # validated anew
+    masked = ops.attention(q, k, v, mask=np.zeros((70, 70), np.float32))   # its own template
     np.testing.assert_array_equal(again, first)
     np.testing.assert_allclose(masked, first, rtol=1e-6, atol=1e-6)
     with pytest.raises(ArgumentError, match="head dim"):
@@ -435,6 +435,49 @@ def test_plain_forward_template_checks_every_call_and_keeps_no_data():
     assert ref() is None
     tpp.clear_caches()
     assert not A._PLANS
+
+
+def test_masked_calls_take_a_template_and_read_the_mask_every_call():
+    """A masked call (no dropout) reuses a template per mask shape and dtype too, but reads
+    the mask's values every call: a mask changed in place between two calls changes the
+    answer as torch's does; other shapes and dtypes are validated (bad ones still raise),
+    and the template keeps no mask alive."""
+    import gc
+    import weakref
+    F = torch.nn.functional
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 3, 9, 16), dtype=np.float32) for _ in range(3))
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    A._PLANS.clear()
+    keys = np.ones((2, 1, 1, 9), bool)
+    for step in range(3):       # the same array, changed in place between calls
+        keys[0, 0, 0, 8 - step] = False
+        got = ops.attention(q, k, v, mask=keys)
+        want = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.from_numpy(keys))
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    assert len(A._PLANS) == 1
+    full = rng.standard_normal((9, 9), dtype=np.float32)
+    for step in range(2):
+        full[step] = -np.inf if step else 0.5      # a row all -inf: torch gives NaN there too
+        got = ops.attention(q, k, v, mask=full)
+        want = F.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.from_numpy(full))
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    assert len(A._PLANS) == 2
+    tmask = torch.zeros(2, 1, 1, 9)
+    for step in range(2):       # torch masks: in place through a numpy view as well
+        tmask.numpy()[1, 0, 0, step] = -1e4
+        got = ops.attention(tq, tk, tv, mask=tmask)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(tq, tk, tv, tmask))
+    with pytest.raises(ArgumentError, match="broadcast"):
+        ops.attention(q, k, v, mask=np.zeros((2, 1, 1, 8), bool))
+    with pytest.raises(ArgumentError, match="mask"):
+        ops.attention(q, k, v, mask=np.zeros((2, 1, 1, 9), np.float64))
+    held = np.zeros((2, 1, 1, 9), np.float32)
+    ref = weakref.ref(held)
+    ops.attention(q, k, v, mask=held)
+    del held
+    gc.collect()
+    assert ref() is None
 
 
 def test_plain_backward_takes_the_forward_template_and_still_checks():
