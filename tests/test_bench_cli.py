@@ -278,7 +278,8 @@ def test_gemm_mlp_sizes_follow_the_mode():
     assert not quick_sizes(ctx) and all_threads(ctx) == 3
     full = gemm.cases(ctx)
     assert big <= {c.shape for c in full}
-    assert [c.name for c in full if c.threads == 1] == ["f32 t1"]
+    assert [(c.name, c.shape) for c in full if c.threads == 1] == [
+        ("f32 t1", (1024, 1024, 1024)), ("f32 t1", (2048, 2048, 2048))]
     assert {c.dtype for c in full if c.shape == (2048, 2048, 2048)} == {"f32"}
 
 
