@@ -119,6 +119,39 @@ def test_no_winner_is_stored_when_nothing_beats_the_margin(cache_dir, monkeypatc
     assert tune.lookup(64, 64, "f32", "f32", False, None) is None
 
 
+def _search_then(fast_in_search, later, repeats=5):
+    """seconds(cand) for _fake_timing: fast_in_search[cand] for a candidate's first `repeats`
+    calls (the search's), later[cand] after (the confirmation round's); 1.0 otherwise."""
+    calls = {}
+
+    def seconds(cand):
+        calls[cand] = calls.get(cand, 0) + 1
+        table = fast_in_search if calls[cand] <= repeats else later
+        return table.get(cand, 1.0)
+    return seconds
+
+
+def test_a_search_winner_that_does_not_hold_up_again_is_not_stored(cache_dir, monkeypatch):
+    lucky = tune.Candidate(32, 64, 32)
+    _fake_timing(monkeypatch, _search_then({lucky: 0.5}, {lucky: 1.0}))
+    result = tune.tune("linear", 64, 64, 64, space=[lucky], repeats=5)
+    assert result.best == result.heuristic and not result.stored
+    assert result.seconds[lucky] == 1.0 and result.speedup == 1.0
+    assert tune.lookup(64, 64, "f32", "f32", False, None) is None
+
+
+def test_the_confirmation_round_picks_among_the_finalists(cache_dir, monkeypatch):
+    first, second, slow = (tune.Candidate(32, 64, 32), tune.Candidate(16, 64, 64),
+                           tune.Candidate(64, 64, 32, "BC"))
+    _fake_timing(monkeypatch, _search_then({first: 0.5, second: 0.6, slow: 0.99},
+                                           {first: 0.9, second: 0.7, slow: 0.1}))
+    result = tune.tune("matmul", 64, 64, 64, space=[first, second, slow], repeats=5)
+    # slow never beat the margin in the search, so it is not measured again
+    assert result.best == second and result.stored
+    assert result.seconds[slow] == 0.99 and result.speedup == pytest.approx(1 / 0.7)
+    assert tune.lookup(64, 64, "f32", "f32", False, None) == second
+
+
 def test_winners_of_another_cpu_are_not_read(cache_dir, monkeypatch):
     winner = tune.Candidate(32, 64, 32)
     _fake_timing(monkeypatch, lambda cand: 0.5 if cand == winner else 1.0)
