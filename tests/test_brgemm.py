@@ -307,6 +307,37 @@ def test_register_blocking_covers_c_and_caps_aliasing_rows():
     assert rows_of(plan(16, 16, 16, 32, 1, 64)) == 16        # the 16^3 BRGEMM: one 16x1 tile
 
 
+def test_register_blocking_reads_b_once_where_a_tie_allows():
+    """Among the cheapest plans, one whose tiles cover all rows in one tile row (B read once
+    per k step) wins over a wider tile that needs several rows of tiles, where its tiles are
+    at least 2 vectors wide; otherwise the widest tile wins the tie."""
+    from tpp_cpu.brgemm_blocking import plan
+
+    def shape(p):
+        return [(rg.rows, rg.count) for rg in p.row_groups], [cg.vectors for cg in p.col_groups]
+
+    assert shape(plan(7, 64, 16, 32)) == ([(7, 1)], [2])          # not 4 + 3 rows x 4 vectors
+    assert shape(plan(14, 768, 16, 32)) == ([(14, 1)], [2])
+    assert shape(plan(7, 128, 16, 32)) == ([(7, 1)], [3, 2])
+    assert shape(plan(6, 64, 16, 32)) == ([(6, 1)], [4])          # one row of 4-vector tiles
+    assert shape(plan(64, 64, 16, 32)) == ([(6, 9), (5, 2)], [4])  # no one-pass plan: widest
+    assert shape(plan(7, 64, 8, 16)) == ([(4, 1), (3, 1)], [2])   # AVX2: 7 x 1 is load-bound
+    assert shape(plan(6, 48, 8, 16)) == ([(6, 1)], [2])
+
+
+@pytest.mark.parametrize("case", [
+    Case(7, 64, 64, "stride", 8, 1),
+    Case(13, 100, 16, "offset", 3, 0, "vnni", ("bf16", "bf16", "f32"), epilogue=("row", "gelu",
+                                                                              False)),
+    Case(10, 768, 8, "address", 2, 1, pad=3, epilogue=("row", "relu", False)),
+    Case(6, 48, 5, "stride", 2, 0),
+], ids=str)
+def test_one_pass_tiles(case):
+    """The one-pass tilings (test_register_blocking_reads_b_once_where_a_tie_allows) compute
+    what the reference does (AVX2 and AVX-512 tilings alike: the suite runs under both)."""
+    _run_case(case)
+
+
 @pytest.mark.parametrize("case", [
     # lda = 1024 f32 (4 KiB): 6-row tiles; n = 70: a 4-vector tile and a masked 1-vector tail
     Case(40, 70, 30, "stride", 2, 1, "plain", ("f32",) * 3, 994, ("row", "gelu", False)),

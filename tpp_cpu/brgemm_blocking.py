@@ -11,7 +11,17 @@ the V that fit, the planner takes the one with the fewest estimated cycles per k
 whole C block, where a tile's cycles are the largest of its FMA throughput, the
 FMA latency (too few accumulators leave the pipes idle) and its load throughput; a tie goes to
 the wider tile, which loads less per FMA (64x64 on AVX-512: 6x4, 10 loads per 24 FMAs, rather
-than 13x2, 15 per 26: equal in L1, 102 against 71 GFLOP/s in ops.matmul at 2048^3).
+than 13x2, 15 per 26: equal in L1, 102 against 71 GFLOP/s in ops.matmul at 2048^3), except
+where a tied plan of tiles at least 2 vectors wide holds all of C's rows in one row of tiles:
+then every B vector is loaded once per k step of the call instead of once per row of tiles,
+and B (a batch of blocks, rarely within L1) streams from L2 once. That is AVX-512 with 7-14
+rows (7 x 2 instead of 4 + 3 rows x 4; a 2-core Zen 5, one thread, 7x64x64 batch 8 in a
+compiled loop: 218 -> 269 GFLOP/s, 7x128x128 batch 4 176 -> 262, 8-14 rows level to +7%, one
+16 KiB B block (in L1) level to -5%; 3x3 convolutions at 7x7 pixels, batch 4, 2 threads, no
+bias: 256 channels 356-391 -> 427-437 GFLOP/s, 512 331-391 -> 382-411, and within the noise in
+tpp-bench conv's layers with their NCHW conversions; ops.linear f32, 8 rows, 384 -> 1152:
+26.7-29.2 -> 21.9-22.1 us) and AVX2 with 6 rows; a 1-vector tile is not preferred (AVX2 7 x 1 instead of 4 + 3 rows x 2: 8
+loads per 7 FMAs, 104 -> 97 GFLOP/s).
 
 A's rows are read R at a time, one broadcast from each per k step, each cache line serving 16
 steps (f32). When A's row stride is a multiple of the L1 cache's way size (4 KiB: 64 sets of 64
@@ -122,7 +132,7 @@ def plan(m: int, n: int, lanes: int, registers: int, b_regs_per_vector: int = 1,
     nvec = -(-n // lanes)
     max_vectors = 4 if registers >= 32 else 3
     cap = alias_rows(a_row_bytes)
-    best = None
+    plans = []
     for vectors in range(1, min(max_vectors, nvec) + 1):
         if spare is None:
             spare = 2 if b_regs_per_vector == 1 else 3
@@ -135,7 +145,11 @@ def plan(m: int, n: int, lanes: int, registers: int, b_regs_per_vector: int = 1,
         cols = split_cols(n, lanes, vectors)
         cost = sum(rg.count * cg.count * tile_cycles(rg.rows, cg.vectors)
                    for rg in rows for cg in cols)
-        # ties go to the wider tile: fewer loads per FMA (B vectors reused by more rows)
-        if best is None or cost <= best[0]:
-            best = (cost, Blocking(lanes, rows, cols))
-    return best[1]
+        plans.append((cost, vectors, Blocking(lanes, rows, cols)))
+    least = min(cost for cost, _, _ in plans)
+    tied = [(vectors, blocking) for cost, vectors, blocking in plans if cost == least]
+    # among the cheapest: one pass over B (all rows in one tile row) where a tile of >= 2
+    # vectors allows it, else the widest tile: fewer loads per FMA (see the module docstring)
+    one_pass = [t for t in tied if t[0] >= 2 and len(t[1].row_groups) == 1
+                and t[1].row_groups[0].count == 1]
+    return max(one_pass or tied, key=lambda t: t[0])[1]
