@@ -20,8 +20,8 @@ compiled loop: 218 -> 269 GFLOP/s, 7x128x128 batch 4 176 -> 262, 8-14 rows level
 16 KiB B block (in L1) level to -5%; 3x3 convolutions at 7x7 pixels, batch 4, 2 threads, no
 bias: 256 channels 356-391 -> 427-437 GFLOP/s, 512 331-391 -> 382-411, and within the noise in
 tpp-bench conv's layers with their NCHW conversions; ops.linear f32, 8 rows, 384 -> 1152:
-26.7-29.2 -> 21.9-22.1 us) and AVX2 with 6 rows; a 1-vector tile is not preferred (AVX2 7 x 1 instead of 4 + 3 rows x 2: 8
-loads per 7 FMAs, 104 -> 97 GFLOP/s).
+26.7-29.2 -> 21.9-22.1 us) and AVX2 with 6 rows; a 1-vector tile is not preferred (AVX2
+7 x 1 instead of 4 + 3 rows x 2: 8 loads per 7 FMAs, 104 -> 97 GFLOP/s).
 
 A's rows are read R at a time, one broadcast from each per k step, each cache line serving 16
 steps (f32). When A's row stride is a multiple of the L1 cache's way size (4 KiB: 64 sets of 64

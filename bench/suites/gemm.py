@@ -5,7 +5,8 @@ accumulation, bf16 C) at 512^3 and 1024^3, f32 also at 2048^3 and at 1000^3 (no 
 multiple of the blocks: tail kernels); --quick (and the default set): 256^3 and 512^3 only.
 Cases run on every core (or --threads N, N > 1; case names end in "t<threads>"), and f32
 1024^3 and 2048^3 (the GEMM issue's OpenBLAS targets) once more on one thread ("f32 t1"; the
-team's record carries extra["vs_t1"], its rate over it). `peak_fraction` divides by the peak suite's one-core compute peak times the threads.
+team's record carries extra["vs_t1"], its rate over it). `peak_fraction` divides by the peak
+suite's one-core compute peak times the threads.
 One overhead case: ops.linear on 64x64x64 f32, one thread, in microseconds per call.
 
 tpp: ops.matmul(a, b_packed, out=c), B packed by ops.pack_kn before timing. numpy: np.matmul
