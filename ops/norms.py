@@ -266,7 +266,9 @@ def _planned(key, like, given):
     """The results of the call of signature key (ops.norm_plans) as _run gives them ((m, n)
     blocks, (m,) columns, (n,) sums) from the plan a checked call of that signature recorded,
     or None where there is none. given: tensor name -> array in the caller's shapes (blocks
-    of like's shape, columns of its leading shape, rows (n,); None entries left out)."""
+    of like's shape, columns of its leading shape, rows (n,); None entries left out, and so
+    are arrays the nest does not read, as the checked call leaves them: a backward's weight
+    when dx is not wanted)."""
     plan = _plans.lookup(key)
     if plan is None:
         return None
@@ -274,8 +276,8 @@ def _planned(key, like, given):
     arrays = dict(constants)
     layouts = nest.layouts
     for name, a in given.items():
-        if a is not None:
-            layout = layouts[name]
+        layout = layouts.get(name)
+        if a is not None and layout is not None:
             arrays[name] = a.reshape(m, n) if layout == "block" else \
                 a.reshape(m) if layout == "col" else a
     return _execute(nest, n, arrays, outputs, like, m, None,

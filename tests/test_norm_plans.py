@@ -4,6 +4,8 @@ of a signature (the data, eps's value, a weight changed in place) is honoured, a
 outside the signature take the checked path (its errors, its autograd)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -120,12 +122,15 @@ def test_planned_forwards_with_statistics_and_backwards(counted, dtype):
     _, mean, rstd = N.layer_norm_forward(x, w, b)
     _, rrstd = N.rms_norm_forward(x, w)
     probs = N.softmax(x)
+    # every `need`, those without dx too (their nests do not read the weight)
+    needs3 = [need for need in itertools.product((True, False), repeat=3) if any(need)]
     calls = [lambda: N.layer_norm_forward(x, w, b, 1e-3),
              lambda: N.rms_norm_forward(x, None),
-             lambda: N.layer_norm_backward(dy, x, mean, rstd, w),
-             lambda: N.layer_norm_backward(dy, x, mean, rstd, w, need=(True, False, True)),
+             *(lambda need=need: N.layer_norm_backward(dy, x, mean, rstd, w, need=need)
+               for need in needs3),
              lambda: N.layer_norm_backward(dy, x, mean, rstd, None, bias=False),
-             lambda: N.rms_norm_backward(dy, x, rrstd, w),
+             *(lambda need=need: N.rms_norm_backward(dy, x, rrstd, w, need=need)
+               for need in ((True, True), (True, False), (False, True))),
              lambda: N.softmax_backward(dy, probs)]
     for k, call in enumerate(calls):
         checked = call()
@@ -153,6 +158,34 @@ def test_drop_in_training_steps_match_torch(counted):
         torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
         for p, q in zip(ln.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    assert counted[0] >= 4      # the later steps' forward and backward were planned
+
+
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("wants", ["parameters", "input"])
+def test_drop_in_steps_with_some_gradients_match_torch(counted, module, wants):
+    """Training steps where only the parameters (an input that is data) or only the input (a
+    frozen norm) want gradients: the backward's nest then reads fewer arrays, and its planned
+    calls from the second step on must run it as the first step did."""
+    g = torch.Generator().manual_seed(3)
+    ours, ref = getattr(tn, module)(40), getattr(torch.nn, module)(40)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(40, generator=g))
+        ref.load_state_dict(ours.state_dict())
+    for mod in (ours, ref):
+        mod.requires_grad_(wants == "parameters")
+    for step in range(3):
+        x = torch.randn(6, 40, generator=g)
+        xa, xb = x.clone().requires_grad_(wants == "input"), x.clone().requires_grad_(
+            wants == "input")
+        (ours(xa) ** 3).sum().backward()
+        (ref(xb) ** 3).sum().backward()
+        if wants == "input":
+            torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
     assert counted[0] >= 4      # the later steps' forward and backward were planned
 
 
