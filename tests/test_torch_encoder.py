@@ -207,10 +207,12 @@ def _bits(keep, n):
     return te._keep_bool(keep, n)
 
 
+# (67, 520): blocks of 63 rows, which the backward's rows of 520 columns take in pairs and
+# one row (tpp_cpu.equation's row groups), then 4 rows past the last block
+@pytest.mark.parametrize("m,n", [(37, 48), (67, 520)])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_residual_layer_norm_operator(p):
+def test_residual_layer_norm_operator(p, m, n):
     g = torch.Generator().manual_seed(0)
-    m, n = 37, 48
     x, r = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g)
     b, w, lb = (torch.randn(n, generator=g) for _ in range(3))
     y, h, mean, rstd, keep = rn.residual_layer_norm(x, b, r, w, lb, 1e-5, p, seed=3)
@@ -224,10 +226,14 @@ def test_residual_layer_norm_operator(p):
     torch.testing.assert_close(h, hh.detach())
     torch.testing.assert_close(y, yy.detach())
     dy, dh = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g)
-    (yy * dy + hh * dh).sum().backward()
-    got = rn.residual_layer_norm_backward(dy, dh, h, mean, rstd, w, keep, p)
-    for a, leaf in zip(got, (xs, bs, rs, ws, lbs)):
-        torch.testing.assert_close(a, leaf.grad, **TOL)
+    # with dh and without (then, and without dropout, the rows of 520 run in pairs)
+    for cot in (dh, None):
+        for leaf in leaves:
+            leaf.grad = None
+        (yy * dy + (0.0 if cot is None else hh * cot)).sum().backward(retain_graph=True)
+        got = rn.residual_layer_norm_backward(dy, cot, h, mean, rstd, w, keep, p)
+        for a, leaf in zip(got, (xs, bs, rs, ws, lbs)):
+            torch.testing.assert_close(a, leaf.grad, **TOL)
     # numpy in, numpy out; same seed, same result; h alone
     yn, *_ = rn.residual_layer_norm(x.numpy(), b.numpy(), r.numpy(), w.numpy(), lb.numpy(),
                                     1e-5, p, seed=3, want_h=False, stats=False)

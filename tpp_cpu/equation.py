@@ -26,7 +26,15 @@ rowwise kernel with one block input then runs ROW_GROUP rows together, each pass
 (their chains interleaved, accumulators and kept row buffers of their own). 32768 x 128 f32,
 one thread: softmax 2.0 -> 1.65 ms, LayerNorm 1.57 -> 1.21 ms, RMSNorm 1.07 -> 0.84 ms; with
 two block inputs (the backward kernels) it measured 10-30 % slower, and groups of 4 were
-slower than none.
+slower than none. Long rows (GROUP_DOWN_COLUMNS or more) of a kernel with GROUP_DOWN sums
+down the columns or more (the backward of LayerNorm and of the residual LayerNorm with their
+weight and bias gradients: per row two reductions, a chain of scalar divisions, two partial
+rows updated) run in groups too, their serial stretches interleaved. 16 MB of f32 rows, one
+thread, Zen 5, both kernels compiled in one process, 21-41 interleaved calls: LayerNorm's
+backward 1.14-1.49x faster at 512-4096 columns, the residual one's 1.18-1.57x at 512-1024;
+AVX2 code 1.17-1.29x at 512 and 768; bf16 1.05-1.26x. Not grouped, as measured: AVX2 at
+256-384 columns (0.94-1.00x), 128 columns (0.84x), RMSNorm's backward (one such sum: level,
+and 8% slower within `tpp-bench norm`), softmax's backward (none: 11-37% slower).
 
 Prefetch: in the rowwise schedule, a row's first pass reads it from memory and the later ones
 from L1, where no load misses and the hardware prefetchers (which stop at each 4 KiB page, a row
@@ -81,6 +89,8 @@ UNROLL = 4      # vectors per step of a rowwise reduction loop, each with its ow
 KEPT_ELEMENTS = 1 << 14   # f32 a rowwise kernel may keep on its stack (see _Gen.plan_kept)
 ROW_GROUP = 2             # rows a rowwise kernel with short rows processes together (group)
 GROUP_VECTORS = 16        # "short": at most this many vectors per row
+GROUP_DOWN = 2            # a kernel with this many sums down the columns or more ...
+GROUP_DOWN_COLUMNS = 512  # ... runs its rows of this many columns or more in groups too
 PREFETCH_OPS = 4          # block operations per vector from which pass 2 prefetches (plan_prefetch)
 FMA_SUMS = True           # sums of products accumulate with fma (_product)
 PIPELINE = True           # software-pipeline the rowwise passes over the rows (emit_pipelined)
@@ -148,8 +158,10 @@ class _Gen(GeneralSchedule, Pipelining):
         vectors = -(-self.n // self.w)
         self.streams = streams = sum(1 for o in operands if o.role == "in"
                                      and o.layout == "block")
-        self.group = ROW_GROUP if (self.rowwise and self.depth and vectors <= GROUP_VECTORS
-                                   and streams == 1 and self.m >= ROW_GROUP) else 1
+        grouped = (vectors <= GROUP_VECTORS and streams == 1) or (
+            len(self.down) >= GROUP_DOWN and self.n >= GROUP_DOWN_COLUMNS)
+        self.group = ROW_GROUP if (self.rowwise and self.depth and grouped
+                                   and self.m >= ROW_GROUP) else 1
         # a rowwise kernel with a pass of PIPE_OPS operations or more: pipelined rows (from
         # depth + 2 rows; see pipelined), no groups, PIPE_UNROLL accumulators (in every row,
         # pipelined or not: a row's sums do not depend on where it falls)
