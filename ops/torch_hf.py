@@ -61,6 +61,17 @@ and sizes that do not fit (head sizes, LayerNorm over other than dense's out_fea
 Dropout in training draws its seeds from torch's default generator (torch.manual_seed makes a
 step reproducible) but the keep masks are the TPP operators' own, not torch's: a converted
 model trained with dropout follows a different random stream than the original.
+
+Where the time goes with short sequences (all-MiniLM-L6-v2, sentences one at a time, 16-128
+tokens, 2 threads, Zen 5; probes timing every nest call): the compiled nests take 132 ms of
+the 32 sentences in f32 and 82 ms in bf16 (1.61x), but Python takes ~62 ms in both, so the
+whole runs at 1.32-1.50x in bf16. Per BertLayer at 16 tokens: ~60 us in transformers' module
+calls (BertAttention, apply_chunking_to_forward's inspect.signature, the hooks dispatch), ~133
+us in these forwards and the operators they call (checks, plans, allocation, views), ~50 us
+in the nests' own argument checks (CompiledNest._fast_table: 7 calls, 17 arrays for
+attention). The bf16 GEMMs there run 25-37% slower than with their weights hot (each layer's
+3.5 MB of weights comes from L3 every sentence), and the attention nest is as fast in bf16 as
+in f32 at these lengths (its per-head transforms and exp, not its products, dominate).
 """
 from __future__ import annotations
 
