@@ -31,7 +31,8 @@ down the columns or more (the backward of LayerNorm and of the residual LayerNor
 weight and bias gradients: per row two reductions, a chain of scalar divisions, two partial
 rows updated) run in groups too, their serial stretches interleaved. 16 MB of f32 rows, one
 thread, Zen 5, both kernels compiled in one process, 21-41 interleaved calls: LayerNorm's
-backward 1.14-1.49x faster at 512-4096 columns, the residual one's 1.18-1.57x at 512-1024;
+backward 1.14-1.49x faster at 512-4096 columns, the residual one's 1.18-1.57x at 512-1024
+(without dropout and h's own gradient: with them its passes are heavy, and pipelined);
 AVX2 code 1.17-1.29x at 512 and 768; bf16 1.05-1.26x. Not grouped, as measured: AVX2 at
 256-384 columns (0.94-1.00x), 128 columns (0.84x), RMSNorm's backward (one such sum: level,
 and 8% slower within `tpp-bench norm`), softmax's backward (none: 11-37% slower).
