@@ -37,11 +37,14 @@ Use with DistributedDataParallel: optimize the model first, then wrap it (DDP re
 gradient hooks on the parameters, which the converted modules share and produce gradients for
 through autograd as usual).
 
-Converters: register_converter(name, matches, convert): matches(module) -> bool says whether
-the converter is for this module; convert(module) -> the new module, or raises
-CannotServe(reason) when it cannot serve this one (dtype, device, an option). optimize tries
-the matching converters in registration order and uses the first that converts; registering
-a name again replaces that converter in its place. Another module may register its own at
+Converters: register_converter(name, matches, convert, descend=False): matches(module) ->
+bool says whether the converter is for this module; convert(module) -> the new module, or
+raises CannotServe(reason) when it cannot serve this one (dtype, device, an option). optimize
+tries the matching converters in registration order and uses the first that converts; the
+new module's children are then left as they are, unless the converter was registered with
+descend=True: then optimize goes on into them (a container whose forward calls its converted
+children directly, such as ops.torch_hf's BERT layer). Registering a name again replaces that
+converter in its place. Another module may register its own at
 import: optimize imports ops.torch_hf (the Hugging Face BERT converters) before walking,
 when the `transformers` package is importable and that module exists (an ImportError there
 is noted in the summary and skipped).
@@ -76,10 +79,11 @@ class CannotServe(ValueError):
 
 
 class _Converter:
-    __slots__ = ("name", "matches", "convert")
+    __slots__ = ("name", "matches", "convert", "descend")
 
-    def __init__(self, name, matches, convert):
+    def __init__(self, name, matches, convert, descend=False):
         self.name, self.matches, self.convert = name, matches, convert
+        self.descend = bool(descend)
 
     def __repr__(self):
         return f"<converter {self.name!r}>"
@@ -88,14 +92,14 @@ class _Converter:
 _CONVERTERS: list = []
 
 
-def register_converter(name: str, matches, convert) -> None:
+def register_converter(name: str, matches, convert, descend: bool = False) -> None:
     """Add a converter (see the module docstring); a name registered before is replaced in
-    its place in the order."""
+    its place in the order. descend: optimize converts the new module's children too."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     if not callable(matches) or not callable(convert):
         raise TypeError("matches and convert must be callables")
-    conv = _Converter(name, matches, convert)
+    conv = _Converter(name, matches, convert, descend)
     for i, c in enumerate(_CONVERTERS):
         if c.name == name:
             _CONVERTERS[i] = conv
@@ -181,7 +185,7 @@ def _walk(module, path, summary, done):
     if got is not None:
         return got
     label = path or "(root)"
-    new, reasons, matched = None, [], False
+    new, reasons, matched, descend = None, [], False, False
     for conv in list(_CONVERTERS):
         try:
             if not conv.matches(module):
@@ -198,15 +202,21 @@ def _walk(module, path, summary, done):
             reasons.append(f"converter {conv.name!r} returned None")
             continue
         summary.swapped.append((label, _name(type(module)), _name(type(new)), conv.name))
+        descend = conv.descend
         break
     if new is not None:
         done[id(module)] = new
-        return new
+        return _walk_children(new, path, summary, done) if descend else new
     done[id(module)] = module
     if matched:
         summary.left.append((label, _name(type(module)), "; ".join(reasons)))
     elif module._parameters and any(p is not None for p in module._parameters.values()):
         summary.left.append((label, _name(type(module)), "no converter"))
+    return _walk_children(module, path, summary, done)
+
+
+def _walk_children(module, path, summary, done):
+    """_walk each child of module, replacing it where it was converted; returns module."""
     for name, child in list(module._modules.items()):
         if child is None:
             continue

@@ -7,9 +7,9 @@ imported; optimize imports it when `transformers` is importable).
     model = AutoModel.from_pretrained(path)          # BERT, RoBERTa, MiniLM, ...
     fast = ops.torch.optimize(model)                 # a converted copy (inplace=True: in place)
 
-Three blocks are converted, each matched by its STRUCTURE (attribute names, child types and
-forward signature, not its class name), so BERT, RoBERTa, MiniLM, ... blocks that transformers
-writes the same way convert alike:
+Three blocks and the layer holding them are converted, each matched by its STRUCTURE
+(attribute names, child types and forward signature, not its class name), so BERT, RoBERTa,
+MiniLM, ... blocks that transformers writes the same way convert alike:
 
   self-attention (BertSelfAttention: `query`, `key`, `value` Linear of one in_features,
   `dropout`, `num_attention_heads`, `attention_head_size`, `all_head_size`, forward
@@ -36,6 +36,13 @@ writes the same way convert alike:
   forward (hidden_states, input_tensor)): y = LayerNorm(input_tensor + dropout(x W^T + b)) as
   a GEMM without bias, then bias + dropout + residual + LayerNorm in ONE equation
   (ops.residual_norm through ops.torch_encoder.ResidualNormFunction).
+
+And the layer that holds them (BertLayer: `attention` with `self` and `output`,
+`intermediate`, `output`, `chunk_size_feed_forward`, transformers 5.24's forward
+(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, cache,
+**kwargs) returning a tensor; converted with its blocks, which optimize goes on into): its
+forward calls the four converted blocks' fused paths directly, without the module calls
+between them (LayerMixin), and runs the original forward for anything else.
 
 How a block is converted: the new module is an instance of a subclass of the original's class
 (TPP<ClassName>, built once per class) holding the same __dict__ (shallow copies of its
@@ -65,8 +72,9 @@ model trained with dropout follows a different random stream than the original.
 Where the time goes with short sequences (all-MiniLM-L6-v2, sentences one at a time, 16-128
 tokens, 2 threads, Zen 5; probes timing every nest call): the compiled nests take 132 ms of
 the 32 sentences in f32 and 82 ms in bf16 (1.61x), but Python takes ~62 ms in both, so the
-whole runs at 1.32-1.50x in bf16. Per BertLayer at 16 tokens: ~60 us in transformers' module
-calls (BertAttention, apply_chunking_to_forward's inspect.signature, the hooks dispatch), ~133
+whole runs at 1.32-1.50x in bf16 (before LayerMixin, which took 3-8% off those runs). Per
+BertLayer at 16 tokens: ~60 us in transformers' module calls (BertAttention,
+apply_chunking_to_forward's inspect.signature, the hooks dispatch: what LayerMixin skips), ~133
 us in these forwards and the operators they call (checks, plans, allocation, views), ~50 us
 in the nests' own argument checks (CompiledNest._fast_table: 7 calls, 17 arrays for
 attention). The bf16 GEMMs there run 25-37% slower than with their weights hot (each layer's
@@ -86,8 +94,8 @@ import ops as _ops
 from ops import _host
 from ops._host import wants_grad as _wants_grad
 
-__all__ = ["CONVERTERS", "register", "SelfAttentionMixin", "IntermediateMixin", "OutputMixin",
-           "converted_class"]
+__all__ = ["CONVERTERS", "register", "LayerMixin", "SelfAttentionMixin", "IntermediateMixin",
+           "OutputMixin", "converted_class"]
 
 F = torch.nn.functional
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -558,12 +566,97 @@ class OutputMixin(_Converted):
         return y.view(res.shape)
 
 
+# ---------------------------------------------------------------- the layer
+# transformers 5.24's BertLayer.forward (earlier 5.x name the cache past_key_values and are
+# not converted here: their blocks still are, one by one)
+_LAYER_SIGNATURE = ("hidden_states", "attention_mask", "encoder_hidden_states",
+                    "encoder_attention_mask", "cache")
+
+
+def _layer_matches(m) -> bool:
+    att = getattr(m, "_modules", {}).get("attention")
+    names, _ = _params(m)
+    return (isinstance(att, torch.nn.Module) and {"self", "output"} <= att._modules.keys()
+            and {"intermediate", "output"} <= m._modules.keys()
+            and hasattr(m, "chunk_size_feed_forward")
+            and callable(getattr(m, "feed_forward_chunk", None))
+            and names[:2] == ("hidden_states", "attention_mask"))
+
+
+def _layer_convert(m):
+    names, var_kw = _params(m)
+    if names != _LAYER_SIGNATURE or not var_kw:
+        raise _cannot_serve(f"{type(m).__name__}.forward{names}: only transformers 5.24's "
+                            f"layer forward {_LAYER_SIGNATURE} + **kwargs is converted (its "
+                            f"blocks are, one by one)")
+    ret = inspect.signature(type(m).forward).return_annotation
+    if ret not in (torch.Tensor, "torch.Tensor"):
+        raise _cannot_serve(f"{type(m).__name__}.forward returns {ret!r}, not a tensor")
+    if getattr(m, "is_decoder", False) or getattr(m, "add_cross_attention", False) or \
+            getattr(m.attention, "is_cross_attention", False):
+        raise _cannot_serve("decoder / cross-attention layer")
+    new = _swap(m, LayerMixin)
+    new.__dict__["_tpp_attention_class"] = type(m.attention)
+    return new
+
+
+class LayerMixin(_Converted):
+    """forward of a converted BERT-family layer: its four converted blocks called one after
+    the other, as the layer's own forward would (self-attention, self-output, intermediate,
+    output), without the module calls between them (BertAttention's forward, the hooks
+    dispatch of four modules, apply_chunking_to_forward's signature inspection: 40-50 us a
+    layer, ~14% of a 16-token MiniLM layer). Served when the blocks are this module's
+    converted ones without hooks, the attention the class seen at conversion, no
+    feed-forward chunking, no cross-attention inputs and no cache; every other call, and one
+    whose self-attention block declines (output_attentions, a head mask, ...), runs the
+    original forward."""
+
+    _tpp_attention_class = None
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, *cache, **kwargs):
+        out = None
+        if encoder_hidden_states is None and encoder_attention_mask is None and \
+                all(c is None for c in cache):
+            out = self._fused(hidden_states, attention_mask, kwargs)
+        if out is None:
+            return super().forward(hidden_states, attention_mask, encoder_hidden_states,
+                                   encoder_attention_mask, *cache, **kwargs)
+        return out
+
+    def _fused(self, x, mask, kwargs):
+        if self.chunk_size_feed_forward:
+            return None
+        att, inter, out = _children(self, "attention", "intermediate", "output")
+        if type(att) is not self._tpp_attention_class:
+            return None
+        sa, so = _children(att, "self", "output")
+        if not (isinstance(sa, SelfAttentionMixin) and isinstance(so, OutputMixin)
+                and isinstance(inter, IntermediateMixin) and isinstance(out, OutputMixin)):
+            return None
+        if _hooked(att, sa, so, inter, out):
+            return None
+        a = sa._fused(x, mask, kwargs)
+        if a is None:
+            return None
+        # past the attention, a block that declines runs its original forward (what the
+        # layer's own forward would have called)
+        h = so._fused(a, x)
+        if h is None:
+            h = so._tpp_base.forward(so, a, x)
+        i = inter.forward(h)
+        y = out._fused(i, h)
+        return out._tpp_base.forward(out, i, h) if y is None else y
+
+
 # ---------------------------------------------------------------- registration
-# (name, matches, convert), in the order optimize should try them
+# (name, matches, convert, descend), in the order optimize should try them; the layer's
+# converter goes on into its blocks (descend), which its forward calls
 CONVERTERS = (
-    ("hf_bert_self_attention", _self_attention_matches, _self_attention_convert),
-    ("hf_bert_intermediate", _intermediate_matches, _intermediate_convert),
-    ("hf_bert_output", _output_matches, _output_convert),
+    ("hf_bert_layer", _layer_matches, _layer_convert, True),
+    ("hf_bert_self_attention", _self_attention_matches, _self_attention_convert, False),
+    ("hf_bert_intermediate", _intermediate_matches, _intermediate_convert, False),
+    ("hf_bert_output", _output_matches, _output_convert, False),
 )
 
 
@@ -574,8 +667,8 @@ def register():
         from ops import torch_convert
     except ImportError:
         return False
-    for name, matches, convert in CONVERTERS:
-        torch_convert.register_converter(name, matches, convert)
+    for name, matches, convert, descend in CONVERTERS:
+        torch_convert.register_converter(name, matches, convert, descend=descend)
     return True
 
 

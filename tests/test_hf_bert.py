@@ -78,6 +78,9 @@ def test_report_state_dict_and_sharing(models):
         for block, conv in BLOCKS.items():
             new, name = swapped[f"encoder.layer.{layer}.{block}"]
             assert name == conv and new.startswith("ops.torch_hf.TPP")
+    for layer in range(model.config.num_hidden_layers):
+        new, name = swapped[f"encoder.layer.{layer}"]
+        assert name == "hf_bert_layer" and new == "ops.torch_hf.TPPBertLayer"
     assert list(fast.state_dict()) == list(model.state_dict())
     for key, value in model.state_dict().items():
         assert torch.equal(fast.state_dict()[key], value)
@@ -177,7 +180,9 @@ def _tiny(kind="bert", **kw):
 def test_structure_not_class_names(kind, act, dtype):
     model = _tiny(kind, hidden_act=act).to(dtype)
     fast, summary = ops.torch.optimize(model, report=True)
-    assert sum(conv.startswith("hf_bert") for *_, conv in summary.swapped) == 8
+    convs = [conv for *_, conv in summary.swapped]
+    assert convs.count("hf_bert_layer") == 2
+    assert sum(conv.startswith("hf_bert") for conv in convs) == 10     # and their 8 blocks
     ids = torch.randint(3, 99, (3, 11))
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[1, 7:] = 0
@@ -282,6 +287,64 @@ def test_the_fused_path_runs_and_declines_what_it_cannot_read():
         handle.remove()
     act = ops.torch.Linear(4, 3, activation="relu")
     assert not hf._linear_like(act) and hf._linear_like(torch.nn.Linear(4, 3))
+
+
+def test_the_layer_calls_its_blocks_and_falls_back_to_its_forward(monkeypatch):
+    """A converted layer runs its four converted blocks one after the other (the same
+    answers as the original layer, forward and backward); a hook on any module of the
+    layer, feed-forward chunking, cross-attention inputs, another attention class or a
+    block the self-attention declines (output_attentions) run the original forward."""
+    model = _tiny()
+    fast = ops.torch.optimize(model)
+    layer, orig = fast.encoder.layer[0], model.encoder.layer[0]
+    assert type(layer).__name__ == "TPPBertLayer"
+    served = []
+    real = hf.LayerMixin._fused
+    monkeypatch.setattr(hf.LayerMixin, "_fused",
+                        lambda self, *a: served.append(real(self, *a)) or served[-1])
+    x = torch.randn(2, 7, 32)
+    mask = torch.zeros(2, 1, 1, 7)
+    mask[1, ..., 5:] = torch.finfo(torch.float32).min
+
+    def check(**kw):
+        served.clear()
+        with torch.no_grad():
+            got, want = layer(x, mask, **kw), orig(x, mask, **kw)
+        assert (got - want).abs().max() <= 1e-5
+        return served[-1] is not None if served else False
+
+    assert check()                                  # the fused path served it
+    fired = []
+    for module in (layer.attention, layer.attention.output, layer.intermediate, layer.output):
+        handle = module.register_forward_hook(lambda *a: fired.append(1))
+        assert not check() and fired
+        handle.remove()
+        fired.clear()
+    # a hook inside a block: the layer serves it, that block runs its original forward
+    handle = layer.output.dropout.register_forward_hook(lambda *a: fired.append(1))
+    assert check() and fired
+    handle.remove()
+    layer.chunk_size_feed_forward = orig.chunk_size_feed_forward = 7    # the whole sequence
+    assert not check()
+    layer.chunk_size_feed_forward = orig.chunk_size_feed_forward = 0
+    assert not check(output_attentions=True)       # the self-attention block declines
+    served.clear()
+    with torch.no_grad():                          # cross-attention inputs: the original
+        layer(x, mask, torch.randn(2, 3, 32))
+    assert served == []
+    # another attention module in its place
+    other = copy.deepcopy(orig.attention)
+    other.__class__ = type("OtherAttention", (type(orig.attention),), {})
+    saved, layer.attention = layer.attention, other
+    assert not check()
+    layer.attention = saved
+    # gradients through the fused layer, the same as through the original
+    xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer(xs, mask).square().sum().backward()
+    orig(xo, mask).square().sum().backward()
+    assert (xs.grad - xo.grad).abs().max() <= 1e-4
+    wq, oq = layer.attention.self.query.weight, orig.attention.self.query.weight
+    assert (wq.grad - oq.grad).abs().max() <= 1e-4
 
 
 def test_bench_model_suite_tiny(tmp_path, capsys):

@@ -149,6 +149,33 @@ def test_registry():
                                    "LayerNorm", "RMSNorm"]
 
 
+def test_a_converter_that_descends():
+    """descend=True: the new module's children are converted too (its children dict is its
+    own: the old module keeps its children); without it they stay as they are."""
+    class Block(torch.nn.Sequential):
+        pass
+
+    class FastBlock(torch.nn.Sequential):
+        pass
+
+    def convert(m):
+        return FastBlock(*m)
+
+    for descend in (True, False):
+        tc.register_converter("test-block", lambda m: type(m) is Block, convert,
+                              descend=descend)
+        try:
+            model = Block(torch.nn.Linear(4, 4), torch.nn.ReLU())
+            fast, summary = ot.optimize(model, inplace=True, report=True)
+        finally:
+            assert tc.unregister_converter("test-block")
+        assert type(fast) is FastBlock
+        assert type(fast[0]) is (ot.Linear if descend else torch.nn.Linear)
+        assert type(model[0]) is torch.nn.Linear
+        paths = [path for path, *_ in summary.swapped]
+        assert paths == (["(root)", "0"] if descend else ["(root)"])
+
+
 # ---------------------------------------------------------------- DistributedDataParallel
 def _ddp_rank(rank, world, init, out):
     import torch.distributed as dist
