@@ -133,9 +133,11 @@ def _late():
     from ops import torch_attention, torch_encoder, torch_norms
     from ops import residual_norm
     from ops.torch import Linear, linear
+    from ops.torch import _linear as checked_linear
     return types.SimpleNamespace(
         autocast=torch_attention._autocast, draw_seed=torch_attention._draw_seed,
         sdpa=torch_attention.scaled_dot_product_attention, linear=linear,
+        checked_linear=checked_linear,
         linear_forwards=(torch.nn.Linear.forward, Linear.forward),
         norm_forwards=(torch.nn.LayerNorm.forward, torch_norms.LayerNorm.forward),
         residual_norm=(torch_encoder.ResidualNormFunction, residual_norm))
@@ -204,6 +206,18 @@ def _params(sig_owner):
     return names, var_kw
 
 
+def _linear_call(x, w, b, activation, packed):
+    """ops.torch.linear(x, w, b, activation, packed=packed) for a call its converted forward
+    validated (x and w plain CPU tensors of one dtype, x (M, K) with w (N, K), activation one
+    of ops.torch's, packed this module's packed copy of w): without that function's argument
+    checks (~2 us a call, four calls a layer), once the bias is (N,) of w's dtype; any other
+    bias goes through the checked call, whose error explains it."""
+    late = _late()
+    if b is not None and (b.dtype != w.dtype or b.shape != (w.shape[0],)):
+        return late.linear(x, w, b, activation, packed=packed)
+    return late.checked_linear(x, w, b, activation, lambda _w: packed)
+
+
 def _rows(x, n):
     """x (..., n) as contiguous (M, n) rows."""
     x2 = x.reshape(-1, n)
@@ -264,7 +278,7 @@ class _Converted:
         packed copy cached."""
         w = linear.weight
         packed = self._packed(name, (w,), lambda: _ops.pack_nk(w.detach()))
-        return _late().linear(x, w, linear.bias if bias else None, activation, packed=packed)
+        return _linear_call(x, w, linear.bias if bias else None, activation, packed)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -438,7 +452,6 @@ class SelfAttentionMixin(_Converted):
     def _qkv(self, x2, weights, grad):
         """x2 @ [Wq; Wk; Wv]^T + [bq; bk; bv] as one GEMM; weights: the (weight, bias) pairs
         of query, key and value."""
-        linear = _late().linear
         ws, bs = zip(*weights)
         has_b = bs[0] is not None
         if grad:
@@ -447,14 +460,14 @@ class SelfAttentionMixin(_Converted):
             w = torch.cat(ws)
             bias = torch.cat(bs) if has_b else None
             packed = self._packed("qkv_grad", ws, lambda: _ops.pack_nk(w.detach()))
-            return linear(x2, w, bias, packed=packed)
+            return _linear_call(x2, w, bias, None, packed)
 
         def make():
             w = torch.cat([t.detach() for t in ws])
             bias = torch.cat([t.detach() for t in bs]) if has_b else None
             return w, bias, _ops.pack_nk(w)
         w, bias, packed = self._packed("qkv", ws + (bs if has_b else ()), make)
-        return linear(x2, w, bias, packed=packed)
+        return _linear_call(x2, w, bias, None, packed)
 
 
 # ---------------------------------------------------------------- intermediate
@@ -495,7 +508,8 @@ class IntermediateMixin(_Converted):
         if not (_linear_like(dense) and _takes(x) and x.dim() >= 2 and not _hooked(dense)):
             return super().forward(hidden_states)
         w, bias = _weights(dense)
-        if not (x.dtype == w.dtype and _takes(w) and (bias is None or _takes(bias))
+        if not (x.dtype == w.dtype and _takes(w)
+                and (bias is None or (_takes(bias) and bias.dtype == w.dtype))
                 and x.shape[-1] == w.shape[1] and x.numel() and not _autocast()):
             return super().forward(hidden_states)
         act = self.intermediate_act_fn
