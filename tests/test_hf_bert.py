@@ -347,6 +347,24 @@ def test_the_layer_calls_its_blocks_and_falls_back_to_its_forward(monkeypatch):
     assert (wq.grad - oq.grad).abs().max() <= 1e-4
 
 
+def test_a_bias_of_another_dtype_runs_the_original_forward():
+    """The blocks call their GEMM without ops.torch.linear's checks only for a bias of the
+    weight's dtype and shape; an intermediate block with a bf16 bias on f32 weights runs its
+    original forward (torch's error, the same as the original block's)."""
+    model = _tiny(num_hidden_layers=1)
+    fast = ops.torch.optimize(model)
+    blocks = (fast.encoder.layer[0].intermediate, model.encoder.layer[0].intermediate)
+    for block in blocks:
+        block.dense.bias = torch.nn.Parameter(block.dense.bias.detach().bfloat16())
+    x = torch.randn(2, 5, 32)
+    errors = []
+    for block in blocks:
+        with pytest.raises(RuntimeError) as info, torch.no_grad():
+            block(x)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+
+
 def test_bench_model_suite_tiny(tmp_path, capsys):
     from bench import cli
     out = tmp_path / "model.json"
