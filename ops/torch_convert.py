@@ -43,9 +43,10 @@ raises CannotServe(reason) when it cannot serve this one (dtype, device, an opti
 tries the matching converters in registration order and uses the first that converts; the
 new module's children are then left as they are, unless the converter was registered with
 descend=True: then optimize goes on into them (a container whose forward calls its converted
-children directly, such as ops.torch_hf's BERT layer). Registering a name again replaces that
-converter in its place. Another module may register its own at
-import: optimize imports ops.torch_hf (the Hugging Face BERT converters) before walking,
+children directly, such as ops.torch_hf_layer's BERT layer). Registering a name again
+replaces that converter in its place. Another module may register its own at import:
+optimize imports ops.torch_hf (the Hugging Face BERT converters; it imports the layer's,
+ops.torch_hf_layer) before walking,
 when the `transformers` package is importable and that module exists (an ImportError there
 is noted in the summary and skipped).
 

@@ -37,12 +37,8 @@ MiniLM, ... blocks that transformers writes the same way convert alike:
   a GEMM without bias, then bias + dropout + residual + LayerNorm in ONE equation
   (ops.residual_norm through ops.torch_encoder.ResidualNormFunction).
 
-And the layer that holds them (BertLayer: `attention` with `self` and `output`,
-`intermediate`, `output`, `chunk_size_feed_forward`, transformers 5.24's forward
-(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, cache,
-**kwargs) returning a tensor; converted with its blocks, which optimize goes on into): its
-forward calls the four converted blocks' fused paths directly, without the module calls
-between them (LayerMixin), and runs the original forward for anything else.
+And the layer that holds them (BertLayer), whose forward calls the converted blocks directly:
+ops.torch_hf_layer, imported and registered with this module.
 
 How a block is converted: the new module is an instance of a subclass of the original's class
 (TPP<ClassName>, built once per class) holding the same __dict__ (shallow copies of its
@@ -68,22 +64,11 @@ and sizes that do not fit (head sizes, LayerNorm over other than dense's out_fea
 Dropout in training draws its seeds from torch's default generator (torch.manual_seed makes a
 step reproducible) but the keep masks are the TPP operators' own, not torch's: a converted
 model trained with dropout follows a different random stream than the original.
-
-Where the time goes with short sequences (all-MiniLM-L6-v2, sentences one at a time, 16-128
-tokens, 2 threads, Zen 5; probes timing every nest call): the compiled nests take 132 ms of
-the 32 sentences in f32 and 82 ms in bf16 (1.61x), but Python takes ~62 ms in both, so the
-whole runs at 1.32-1.50x in bf16 (before LayerMixin, which took 3-8% off those runs). Per
-BertLayer at 16 tokens: ~60 us in transformers' module calls (BertAttention,
-apply_chunking_to_forward's inspect.signature, the hooks dispatch: what LayerMixin skips), ~133
-us in these forwards and the operators they call (checks, plans, allocation, views), ~50 us
-in the nests' own argument checks (CompiledNest._fast_table: 7 calls, 17 arrays for
-attention). The bf16 GEMMs there run 25-37% slower than with their weights hot (each layer's
-3.5 MB of weights comes from L3 every sentence), and the attention nest is as fast in bf16 as
-in f32 at these lengths (its per-head transforms and exp, not its products, dominate).
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import types
 import weakref
@@ -94,8 +79,8 @@ import ops as _ops
 from ops import _host
 from ops._host import wants_grad as _wants_grad
 
-__all__ = ["CONVERTERS", "register", "LayerMixin", "SelfAttentionMixin", "IntermediateMixin",
-           "OutputMixin", "converted_class"]
+__all__ = ["CONVERTERS", "register", "SelfAttentionMixin", "IntermediateMixin", "OutputMixin",
+           "converted_class"]
 
 F = torch.nn.functional
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -239,14 +224,17 @@ def converted_class(cls, mixin):
     if sub is None:
         name = f"TPP{cls.__name__}"
         sub = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name,
-                                        "_tpp_base": cls, "_tpp_mixin": mixin.__name__})
+                                        "_tpp_base": cls, "_tpp_mixin": mixin.__name__,
+                                        "_tpp_mixin_module": mixin.__module__})
         _DERIVED[key] = sub
     return sub
 
 
-def _rebuild(mixin_name, base):
-    """Unpickling: an empty instance of converted_class(base, mixin) (state set after)."""
-    return object.__new__(converted_class(base, globals()[mixin_name]))
+def _rebuild(mixin_name, base, module=__name__):
+    """Unpickling: an empty instance of converted_class(base, mixin) (state set after); the
+    mixin is found by name in its module (this one unless given)."""
+    mixin = getattr(importlib.import_module(module), mixin_name)
+    return object.__new__(converted_class(base, mixin))
 
 
 def _swap(module, mixin):
@@ -267,6 +255,7 @@ class _Converted:
 
     _tpp_base = None
     _tpp_mixin = None
+    _tpp_mixin_module = __name__
 
     def _packed(self, name, key_tensors, make):
         """The packed weight `make()` builds, cached under name while key_tensors (storage,
@@ -286,7 +275,8 @@ class _Converted:
         return state
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (self._tpp_mixin, self._tpp_base), self.__getstate__())
+        return (_rebuild, (self._tpp_mixin, self._tpp_base, self._tpp_mixin_module),
+                self.__getstate__())
 
 
 # ---------------------------------------------------------------- self-attention
@@ -580,110 +570,27 @@ class OutputMixin(_Converted):
         return y.view(res.shape)
 
 
-# ---------------------------------------------------------------- the layer
-# transformers 5.24's BertLayer.forward (earlier 5.x name the cache past_key_values and are
-# not converted here: their blocks still are, one by one)
-_LAYER_SIGNATURE = ("hidden_states", "attention_mask", "encoder_hidden_states",
-                    "encoder_attention_mask", "cache")
-
-
-def _layer_matches(m) -> bool:
-    att = getattr(m, "_modules", {}).get("attention")
-    names, _ = _params(m)
-    return (isinstance(att, torch.nn.Module) and {"self", "output"} <= att._modules.keys()
-            and {"intermediate", "output"} <= m._modules.keys()
-            and hasattr(m, "chunk_size_feed_forward")
-            and callable(getattr(m, "feed_forward_chunk", None))
-            and names[:2] == ("hidden_states", "attention_mask"))
-
-
-def _layer_convert(m):
-    names, var_kw = _params(m)
-    if names != _LAYER_SIGNATURE or not var_kw:
-        raise _cannot_serve(f"{type(m).__name__}.forward{names}: only transformers 5.24's "
-                            f"layer forward {_LAYER_SIGNATURE} + **kwargs is converted (its "
-                            f"blocks are, one by one)")
-    ret = inspect.signature(type(m).forward).return_annotation
-    if ret not in (torch.Tensor, "torch.Tensor"):
-        raise _cannot_serve(f"{type(m).__name__}.forward returns {ret!r}, not a tensor")
-    if getattr(m, "is_decoder", False) or getattr(m, "add_cross_attention", False) or \
-            getattr(m.attention, "is_cross_attention", False):
-        raise _cannot_serve("decoder / cross-attention layer")
-    new = _swap(m, LayerMixin)
-    new.__dict__["_tpp_attention_class"] = type(m.attention)
-    return new
-
-
-class LayerMixin(_Converted):
-    """forward of a converted BERT-family layer: its four converted blocks called one after
-    the other, as the layer's own forward would (self-attention, self-output, intermediate,
-    output), without the module calls between them (BertAttention's forward, the hooks
-    dispatch of four modules, apply_chunking_to_forward's signature inspection: 40-50 us a
-    layer, ~14% of a 16-token MiniLM layer). Served when the blocks are this module's
-    converted ones without hooks, the attention the class seen at conversion, no
-    feed-forward chunking, no cross-attention inputs and no cache; every other call, and one
-    whose self-attention block declines (output_attentions, a head mask, ...), runs the
-    original forward."""
-
-    _tpp_attention_class = None
-
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
-                encoder_attention_mask=None, *cache, **kwargs):
-        out = None
-        if encoder_hidden_states is None and encoder_attention_mask is None and \
-                all(c is None for c in cache):
-            out = self._fused(hidden_states, attention_mask, kwargs)
-        if out is None:
-            return super().forward(hidden_states, attention_mask, encoder_hidden_states,
-                                   encoder_attention_mask, *cache, **kwargs)
-        return out
-
-    def _fused(self, x, mask, kwargs):
-        if self.chunk_size_feed_forward:
-            return None
-        att, inter, out = _children(self, "attention", "intermediate", "output")
-        if type(att) is not self._tpp_attention_class:
-            return None
-        sa, so = _children(att, "self", "output")
-        if not (isinstance(sa, SelfAttentionMixin) and isinstance(so, OutputMixin)
-                and isinstance(inter, IntermediateMixin) and isinstance(out, OutputMixin)):
-            return None
-        if _hooked(att, sa, so, inter, out):
-            return None
-        a = sa._fused(x, mask, kwargs)
-        if a is None:
-            return None
-        # past the attention, a block that declines runs its original forward (what the
-        # layer's own forward would have called)
-        h = so._fused(a, x)
-        if h is None:
-            h = so._tpp_base.forward(so, a, x)
-        i = inter.forward(h)
-        y = out._fused(i, h)
-        return out._tpp_base.forward(out, i, h) if y is None else y
-
-
 # ---------------------------------------------------------------- registration
-# (name, matches, convert, descend), in the order optimize should try them; the layer's
-# converter goes on into its blocks (descend), which its forward calls
+# (name, matches, convert), in the order optimize should try them
 CONVERTERS = (
-    ("hf_bert_layer", _layer_matches, _layer_convert, True),
-    ("hf_bert_self_attention", _self_attention_matches, _self_attention_convert, False),
-    ("hf_bert_intermediate", _intermediate_matches, _intermediate_convert, False),
-    ("hf_bert_output", _output_matches, _output_convert, False),
+    ("hf_bert_self_attention", _self_attention_matches, _self_attention_convert),
+    ("hf_bert_intermediate", _intermediate_matches, _intermediate_convert),
+    ("hf_bert_output", _output_matches, _output_convert),
 )
 
 
-def register():
-    """Register CONVERTERS with ops.torch_convert (done at import; False where that module is
-    not there)."""
+def register(converters=CONVERTERS, descend=False):
+    """Register converters ((name, matches, convert) triples; this module's CONVERTERS by
+    default) with ops.torch_convert (done at import; False where that module is not there)."""
     try:
         from ops import torch_convert
     except ImportError:
         return False
-    for name, matches, convert, descend in CONVERTERS:
+    for name, matches, convert in converters:
         torch_convert.register_converter(name, matches, convert, descend=descend)
     return True
 
 
 _REGISTERED = register()
+# the layer's converter, which registers itself (it imports this module's blocks)
+from ops import torch_hf_layer  # noqa: E402,F401

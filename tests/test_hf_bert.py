@@ -19,6 +19,7 @@ minilm = pytest.importorskip(
 
 import ops.torch  # noqa: E402
 import ops.torch_hf as hf  # noqa: E402
+import ops.torch_hf_layer as hf_layer  # noqa: E402
 import tpp  # noqa: E402
 from bench.suites.model import mean_pool, sentences  # noqa: E402
 
@@ -299,8 +300,8 @@ def test_the_layer_calls_its_blocks_and_falls_back_to_its_forward(monkeypatch):
     layer, orig = fast.encoder.layer[0], model.encoder.layer[0]
     assert type(layer).__name__ == "TPPBertLayer"
     served = []
-    real = hf.LayerMixin._fused
-    monkeypatch.setattr(hf.LayerMixin, "_fused",
+    real = hf_layer.LayerMixin._fused
+    monkeypatch.setattr(hf_layer.LayerMixin, "_fused",
                         lambda self, *a: served.append(real(self, *a)) or served[-1])
     x = torch.randn(2, 7, 32)
     mask = torch.zeros(2, 1, 1, 7)
