@@ -1,8 +1,10 @@
-"""Weight slices summed in chunks of input blocks (conv_layout.weight_chunks): the forward nest
-(ops.conv._conv_nest) and the data gradient's (ops.conv_strided._dx_nest) split a large
-weight slice into chunks, the first chunk writing each tile, the last applying the bias and
-activation (and, for bf16, rounding the f32 accumulator): against torch, with a middle chunk
-(three or more), strides, dilation, groups and padded channel blocks."""
+"""Sums split for the caches. Weight slices summed in chunks of input blocks
+(conv_layout.weight_chunks): the forward nest (ops.conv._conv_nest) and the data gradient's
+(ops.conv_strided._dx_nest) split a large weight slice into chunks, the first chunk writing
+each tile, the last applying the bias and activation (and, for bf16, rounding the f32
+accumulator); the weight gradient (ops.conv._dw_nest) sums runs of output rows and splits
+few blocks in halves. Against torch, with a middle chunk (three or more), row runs with a
+tail, strides, dilation, groups and padded channel blocks."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,3 +108,35 @@ def test_chunked_matches_unchunked(monkeypatch):
         tpp.clear_caches()
     torch.testing.assert_close(y, y1, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(dx, dx1, atol=1e-4, rtol=1e-5)
+
+
+# the weight gradient's BRGEMMs over runs of output rows (ops.conv.DW_CALL_BYTES), a block's
+# rows in halves where blocks are few (DW_MIN_ITEMS): n, c, k, h, w, (r, s), stride,
+# padding, dilation, groups, the call budget in bytes (None: the default)
+DW_CASES = [
+    (1, 64, 64, 40, 40, (3, 3), 1, 1, 1, 1, None),      # runs of 6 rows and a tail of 4; halves
+    (2, 70, 96, 13, 11, (3, 3), 2, 1, 1, 1, 4096),      # one row a call, stride 2, padded blocks
+    (1, 130, 40, 9, 10, (3, 3), 1, 2, 2, 1, 11000),     # runs of 2 rows and a tail, dilation
+    (2, 64, 128, 12, 12, (1, 3), 1, (0, 1), 1, 2, 6000),    # groups, one-row kernel
+]
+
+
+@pytest.mark.parametrize("case", DW_CASES)
+def test_weight_grad_row_runs(case, monkeypatch):
+    n, c, k, h, w, (r, s), stride, padding, dilation, groups, budget = case
+    kw = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(n, c, h, w, generator=g)
+    wt = (torch.randn(k, c // groups, r, s, generator=g) * 0.05).requires_grad_()
+    y = F.conv2d(x, wt, None, **kw)
+    dy = torch.randn(y.shape, generator=g)
+    y.backward(dy)
+    if budget is not None:
+        monkeypatch.setattr(conv, "DW_CALL_BYTES", budget)
+        tpp.clear_caches()
+    try:
+        dw = ops.conv2d_backward(dy, x, wt.detach(), need=(False, True, False), **kw)[1]
+    finally:
+        monkeypatch.undo()
+        tpp.clear_caches()
+    _close(dw, wt.grad, "f32")
