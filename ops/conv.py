@@ -41,10 +41,11 @@ accumulates the taps in an f32 tile and rounds it once (an identity TPP). An NCH
 written by the nest too, each finished tile transposed into it while in cache
 (conv_layout.write_nchw); the blocked output is kept only for chains (conv2d_blocked).
 Host data with a weight slice per output block (all its input blocks and taps) over
-conv_layout.WEIGHT_CHUNK_BYTES sums the input blocks in chunks, an outermost sequential loop:
-every tile of a chunk before the next chunk, so that a chunk's weights stay in the L2 cache
-while the rows and images reuse them (3x3 512 @7 f32: 1.18 MB per output block, 8 chunks;
-the forward 385 -> ~500 GFLOP/s at 2 cores). The data gradient's nest does the same.
+conv_layout.WEIGHT_SLICE_BYTES sums the input blocks in chunks (WEIGHT_CHUNK_BYTES), an
+outermost sequential loop: every tile of a chunk before the next chunk, so that a chunk's
+weights stay in the L2 cache while the rows and images reuse them (3x3 512 @7 f32: 1.18 MB
+per output block, 8 chunks; the forward 385 -> ~500 GFLOP/s at 2 cores). The data
+gradient's nest does the same.
 
 Backward data: the transposed convolution, as the same forward nest on dy scattered into a
 zeroed frame (stride-1 positions spaced by the stride, a border of dilation*(R-1)), with the

@@ -11,9 +11,21 @@ import torch.nn.functional as F
 
 import ops
 import ops.conv as conv
+import ops.conv_layout as conv_layout
 import ops.conv_strided as strided
 import tpp
 from ops.conv_layout import WEIGHT_CHUNK_BYTES, weight_chunks
+
+@pytest.fixture(autouse=True)
+def chunk_small_slices(monkeypatch):
+    """Every slice over one block is chunked (WEIGHT_SLICE_BYTES 0), so that small layers
+    take the chunked nests; the nest caches emptied before and after."""
+    monkeypatch.setattr(conv_layout, "WEIGHT_SLICE_BYTES", 0)
+    tpp.clear_caches()
+    yield
+    monkeypatch.undo()
+    tpp.clear_caches()
+
 
 # n, c, k, h, w, (r, s), stride, padding, dilation, groups; 3x3 weights of 64 x 64 blocks take
 # 147 KiB (f32) per input block, so 130 channels (3 blocks, the last of 2 channels) sum in 3
@@ -42,7 +54,7 @@ def _close(got, ref, dtype):
     torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def test_weight_chunks():
+def test_weight_chunks(monkeypatch):
     block = 64 * 1024
     per = WEIGHT_CHUNK_BYTES // block      # blocks per chunk at most
     assert weight_chunks(per, block) == 1
@@ -50,6 +62,10 @@ def test_weight_chunks():
     assert weight_chunks(7, WEIGHT_CHUNK_BYTES // 2) == 7    # 7 is prime: one block a chunk
     assert weight_chunks(3, WEIGHT_CHUNK_BYTES + 1) == 3     # one block over the budget
     assert weight_chunks(1, 10 * WEIGHT_CHUNK_BYTES) == 1
+    monkeypatch.undo()      # the real threshold: a slice that fits is not chunked
+    slice_bytes = conv_layout.WEIGHT_SLICE_BYTES
+    assert weight_chunks(8, slice_bytes // 8) == 1
+    assert weight_chunks(8, slice_bytes // 8 + 1) > 1
 
 
 def test_cases_are_chunked():
@@ -98,7 +114,7 @@ def test_chunked_matches_unchunked(monkeypatch):
     y = ops.conv2d(x, wt, b, activation="relu", **kw)
     dy = torch.randn(y.shape)
     dx = ops.conv2d_backward(dy, x, wt, need=(True, False, False), **kw)[0]
-    monkeypatch.setattr("ops.conv_layout.WEIGHT_CHUNK_BYTES", 1 << 40)
+    monkeypatch.setattr(conv_layout, "WEIGHT_SLICE_BYTES", 1 << 40)
     tpp.clear_caches()
     try:
         y1 = ops.conv2d(x, wt, b, activation="relu", **kw)
