@@ -279,18 +279,24 @@ def test_nest_threads_takes_numpy_ints_and_max_threads():
 # ---------------------------------------------------------------- 5. // and &
 def _visits(order, loops, index, size, when=(), threads=(1, 2)):
     """counts[index(a, b)] += 1 per iteration where `when` holds, run by a nest on `size`
-    counts (one result per thread count)."""
+    counts (one result per thread count). Each iteration increments a cell of its own in a
+    (size, cells) grid, summed afterwards: iterations of a parallel order that share an
+    index would otherwise race on one counter (a lost update, not a wrong index)."""
+    start = [lp.start for lp in map(Loop.of, loops.values())]
+    span = [lp.stop - lp.start for lp in map(Loop.of, loops.values())]
+    cells = span[0] * span[1]
     nest = tpp.LoopNest(order, **loops)
-    n = nest.tensor("n", (size,))
-    addr = n.at(index(*nest.vars))
-    nest.call(INC, addr, addr, when=when(*nest.vars) if callable(when) else when)
+    a, b = nest.vars
+    n = nest.tensor("n", (size * cells,))
+    addr = n.at(index(a, b) * cells + (a - start[0]) * span[1] + (b - start[1]))
+    nest.call(INC, addr, addr, when=when(a, b) if callable(when) else when)
     compiled = nest.compile()
     results = []
     for t in threads:
         tpp.set_num_threads(t)
-        out = np.zeros(size, np.float32)
+        out = np.zeros(size * cells, np.float32)
         compiled(n=out)
-        results.append(out)
+        results.append(out.reshape(size, cells).sum(axis=1))
     return results
 
 
