@@ -69,7 +69,9 @@ blocks is faster than packing w afresh: conv_layout.pack_transposed).
 1x1 layers (no padding, groups 1, f32 or bf16, host data; strided ones on their selected
 pixels, ops.conv_subsample) run as GEMMs on the NCHW arrays as they are (ops.conv_pointwise;
 no conversion, no packing; a forward given packed= only for images of at least 90% whole
-16-pixel vectors, see conv_pointwise.eligible). Other packed= / xb= are checked, then unused.
+16-pixel vectors, a data gradient only for images of more than 256 output pixels, smaller
+ones taking the blocked data gradient: see conv_pointwise.eligible). Other packed= / xb= are
+checked, then unused.
 
 Compilation: one nest per layer shape (channels, kernel, stride, padding, dilation, groups,
 spatial size, dtype, bias, activation); the batch size N is a runtime size (tpp.size), so a
@@ -360,25 +362,27 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
     return _forward(xb.data, wb.data, bias, geo, activation, x), xb, wb
 
 
-def _pointwise_layer(geo, *arrays_, forward=False) -> bool:
-    """Whether ops.conv_pointwise serves this layer's forward (or backward): a 1x1 (any
-    stride), unpadded, ungrouped f32 or bf16 layer on host data (numpy / CPU torch; device data
-    takes the blocked path); see conv_pointwise.eligible."""
-    return _pointwise.eligible(geo, forward) and all(_on_host(a) for a in arrays_)
+def _pointwise_layer(geo, *arrays_, forward=False, data_grad=False) -> bool:
+    """Whether ops.conv_pointwise serves this layer's forward (or weight and bias gradients;
+    with data_grad, its data gradient): a 1x1 (any stride), unpadded, ungrouped f32 or bf16
+    layer on host data (numpy / CPU torch; device data takes the blocked path); see
+    conv_pointwise.eligible."""
+    return _pointwise.eligible(geo, forward, data_grad) and all(_on_host(a) for a in arrays_)
 
 
 def serves_pointwise(x, weight, stride=1, padding=0, dilation=1, groups=1, *,
                      forward=True) -> bool:
-    """Whether conv2d (forward) / conv2d_backward (forward=False) run this layer on
-    ops.conv_pointwise's GEMMs (so a packed weight would go unused); False for arguments
-    they would reject."""
+    """Whether conv2d (forward) / conv2d_backward's data gradient (forward=False) run this
+    layer on ops.conv_pointwise's GEMMs (so a packed weight would go unused); False for
+    arguments they would reject."""
     try:
         geo = geometry(tuple(x.shape), tuple(weight.shape), _host.dtype_of(x, "x"), stride,
                        padding, dilation, groups)
     except (ArgumentError, TypeError, ValueError):
         return False
     return _pointwise_layer(geo, _host.host(x, "x", device=True),
-                            _host.host(weight, "weight", device=True), forward=forward)
+                            _host.host(weight, "weight", device=True), forward=forward,
+                            data_grad=not forward)
 
 
 def _check_packed(packed, weight, geo, transposed):
@@ -471,11 +475,16 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     packed = _check_packed(packed, weight, geo, True) if need_dx else None
     if need_dw and xb is not None:
         xb = _check_xb(xb, x, geo)
-    if _pointwise_layer(geo, x, weight, dy):    # GEMMs on NCHW (packed and xb: unused)
-        return (_pointwise.data_grad(dy, weight, geo) if need_dx else None,
+    dx = dw = db = None
+    if _pointwise_layer(geo, x, weight, dy):    # GEMMs on NCHW (xb: unused)
+        if need_dx and _pointwise_layer(geo, data_grad=True):   # packed: unused too
+            dx = _pointwise.data_grad(dy, weight, geo)
+        elif need_dx:       # small images: the blocked data gradient (below)
+            wbt = packed or pack_weight(weight, geo.groups, dt, transposed=True)
+            dx = _strided.data_grad(dy, wbt.data, geo, x)
+        return (dx,
                 _pointwise.convert(_pointwise.weight_grad(dy, x, geo), dt) if need_dw else None,
                 _pointwise.convert(_pointwise.bias_grad(dy, geo), dt) if need_db else None)
-    dx = dw = db = None
     # dy in the output layout (its blocks are the data gradient's input blocks)
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
                     (0, 0, 0, 0), geo.dilation, dt)

@@ -408,6 +408,29 @@ also_clear(_weight_slab_nest.cache_clear)
 
 
 @functools.lru_cache(maxsize=256)
+def _pointwise_t_nest(k, cg, groups, bk, bc, dtype):
+    """w (k, cg) of a 1x1 layer -> wbt (groups*Cb, Kb, 1, 1, bk, bc) (bf16: VNNI-2 pairs of
+    rows), the data gradient's packed weight, for channel counts in whole blocks: block
+    [g*Cb + c, b] = w[g*kg + b*bk:, c*bc:] as it is (pack_weight's two steps, a transpose of
+    every row and a copy of every block, took 0.37 ms for 2048 x 512 f32 in a training step,
+    this one copy ~0.15)."""
+    kg = k // groups
+    kb, cb = kg // bk, cg // bc
+    nest = tpp.LoopNest("ABC", a=groups, b=cb, c=kb)
+    g, j, i = nest.vars
+    vnni = dtype == _dt.BF16
+    w = nest.tensor("w", (k, cg), dtype)
+    wbt = nest.tensor("wbt", (groups * cb, kb, 1, 1) + ((bk // 2, 2 * bc) if vnni else (bk, bc)),
+                      dtype)
+    spec = tpp.make_unary("vnni2" if vnni else "identity", bk, bc, ldi=cg, dtype_in=dtype)
+    nest.call(spec, w[g * kg + i * bk, j * bc], wbt[g * cb + j, i, 0, 0])
+    return nest.compile()
+
+
+also_clear(_pointwise_t_nest.cache_clear)
+
+
+@functools.lru_cache(maxsize=256)
 def _dw_out_nest(groups, kg, cg, kgp, cgp, rs, dtype):
     """dw (groups*kg, cg, rs) from dwt (groups, kgp, rs, cgp) f32 (rounded for bf16)."""
     nest = tpp.LoopNest("AB", a=groups, b=kg)
@@ -561,6 +584,14 @@ def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
         return BlockedWeight(_host.reshape(wb, (groups * kb, cg // bc, r, s) + block_shape),
                              (k, cg, r, s), groups, False)
     alloc = _host.empty if (cgp, kgp) == (cg, kg) else _host.zeros     # zeroed: padding
+    if transposed and rs == 1 and (cgp, kgp) == (cg, kg):
+        # a 1x1 weight's data-gradient blocks are w's own (bk x bc) blocks: one copy each
+        vnni = dtype == _dt.BF16
+        wb = _host.empty((groups * (cg // bc), kg // bk, 1, 1) +
+                         ((bk // 2, 2 * bc) if vnni else (bk, bc)), dtype, w)
+        _pointwise_t_nest(k, cg, groups, bk, bc, dtype)(_host.reshape(w3, (k, cg)), wb,
+                                                        threads=threads)
+        return BlockedWeight(wb, (k, cg, r, s), groups, True)
     if transposed:
         wt = alloc((groups, kgp, rs, cgp), dtype, w)
         _weight_rows_nest(k, cg, rs, groups, kgp, cgp, True, dtype)(w3, wt, threads=threads)

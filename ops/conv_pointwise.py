@@ -67,20 +67,28 @@ WBC = 64       # columns (input channels) of a weight-gradient block
 STEP = 256     # pixels per weight-gradient step
 MIN_LANE_USE = 0.9   # the forward's least share of used lanes in its pixel vectors (eligible)
 STRIDED = True       # strided 1x1 layers too, on their selected pixels (ops.conv_subsample)
+MIN_DX_PIXELS = 257  # the fewest output pixels per image whose data gradient is a GEMM here
 
 
-def eligible(geo, forward=False) -> bool:
+def eligible(geo, forward=False, data_grad=False) -> bool:
     """Whether a layer's Geometry is one the GEMM path serves: a 1x1 kernel, no padding,
     groups 1, f32 or bf16 (any stride; dilation does not matter for a 1x1 kernel). The forward also
     needs output images whose pixels fill most of the 16-lane vectors of its blocks' rows
     (P*Q at least 90% of a whole number of vectors): at 7x7 (49 pixels: 4 vectors, 77% used) the
     blocked forward, pixels as rows, ran ~20% faster (512->2048, 2 cores) given a packed
-    weight (ops.conv takes it there only then: packing per call costs more), while the GEMM
-    backward still beats the blocked one there."""
+    weight (ops.conv takes it there only then: packing per call costs more). The data gradient
+    (data_grad=True) needs images of at least MIN_DX_PIXELS output pixels: on smaller ones
+    ops.conv's blocked data gradient, packing its weight as well, measured faster (2 Zen 5
+    cores, batch 4, interleaved: f32 512->2048 @7 1.30 -> 1.14 ms, 1024->256 @14 1.13 ->
+    1.02, 1024->2048 @14/2 4.63 -> 2.73, bf16 2048->512 @7 1.05 -> 0.64; AVX2 code f32
+    512->2048 @7 4.2 -> 2.6 ms), and on 28x28 (784) and 56x56 slower (f32 64->256 @56 1.21
+    against 2.34 ms, 128->512 @28 0.96 against 1.44: the conversions of larger images)."""
     if not (geo.groups == 1 and geo.r == 1 and geo.s == 1 and geo.dtype in (_dt.F32, _dt.BF16)
             and tuple(geo.pad) == (0, 0, 0, 0) and (STRIDED or geo.stride == (1, 1))):
         return False
     hw = geo.p * geo.q
+    if data_grad:
+        return hw >= MIN_DX_PIXELS
     return not forward or hw >= MIN_LANE_USE * 16 * -(-hw // 16)
 
 

@@ -13,8 +13,9 @@ no input or parameter requiring a gradient) the forward runs without it, keeping
 Conv2d packs its weight once (forward and, at the first backward, the data gradient's
 layout) and repacks when the weight's version counter moves (an in-place update such as an
 optimizer step) or the parameter is replaced. 1x1 layers that ops.conv runs as GEMMs on NCHW
-(no padding, groups 1, f32: ops.conv_pointwise) read the weight as it is: nothing is packed
-or kept for them.
+(no padding, groups 1, f32 or bf16: ops.conv_pointwise) read the weight as it is: nothing is
+packed for them, but for their images of at most 256 output pixels, whose forward (7x7) or
+data gradient (7x7, 14x14) takes the blocked nests (ops.conv.serves_pointwise).
 
 CUDA tensors run the same nests on their GPU (ops.conv's device path: the results on the
 input's device, the module's packed weights kept per device; tensors on different devices:

@@ -29,9 +29,10 @@ def _ids(case):
 @pytest.fixture
 def no_blocked(monkeypatch):
     """Make every blocked-layout conversion and weight packing raise: the fast path must not
-    need them (the forward served at every image size, however few pixels its vectors
-    hold)."""
+    need them (the forward and the data gradient served at every image size, however few
+    pixels its vectors hold)."""
     monkeypatch.setattr(ops.conv_pointwise, "MIN_LANE_USE", 0.0)
+    monkeypatch.setattr(ops.conv_pointwise, "MIN_DX_PIXELS", 0)
     def boom(*args, **kwargs):
         raise AssertionError("the blocked path was taken")
     for name in ("to_blocked", "from_blocked", "pack_weight"):
@@ -165,15 +166,16 @@ def test_other_1x1_layers_take_the_blocked_path(kw):
     assert not conv.serves_pointwise(x, wt, **kw)
     torch.testing.assert_close(tc.conv2d(x, wt, b, **kw), F.conv2d(x, wt, b, **kw),
                                atol=1e-4, rtol=1e-4)
-    assert conv.serves_pointwise(x.bfloat16(), w0.bfloat16(), forward=False)
-    assert conv.serves_pointwise(x, w0, forward=False)
+    big = torch.zeros(1, 6, 17, 17)     # 289 pixels: the data gradient is a GEMM too
+    assert conv.serves_pointwise(big.bfloat16(), w0.bfloat16(), forward=False)
+    assert conv.serves_pointwise(big, w0, forward=False)
 
 
 def test_forward_path_by_image_size():
     """The GEMM forward serves images whose pixels fill its vectors (56x56); 7x7 (49 pixels)
-    runs the blocked forward, and the GEMM backward either way."""
+    runs the blocked forward (and data gradient: test_small_images_blocked_data_grad)."""
     x, w, b, _ = _data((1, 8, 4, 7, 7, True))
-    assert conv.serves_pointwise(x, w, forward=False)
+    assert not conv.serves_pointwise(x, w, forward=False)
     assert not conv.serves_pointwise(x, w)
     assert conv.serves_pointwise(torch.zeros(1, 8, 56, 56), w)
     torch.testing.assert_close(tc.conv2d(x, w, b), F.conv2d(x, w, b), atol=1e-4, rtol=1e-4)
@@ -220,3 +222,75 @@ def test_bf16_bias_activation(activation, no_blocked):
     y = ops.conv2d(x, wt, b, activation=activation)
     ref = F.conv2d(x.float(), wt.float(), b.float())
     _close_bf16(y, torch.relu(ref) if activation == "relu" else F.gelu(ref))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("case, stride", [
+    ((2, 70, 130, 7, 7, True), 1),          # 49 pixels, channels past one block
+    ((1, 130, 20, 9, 8, False), 2),         # strided: 5x4 output pixels, K < C
+    ((2, 5, 66, 16, 16, True), 1),          # 256 pixels: the most the blocked way takes
+    ((2, 8, 6, 7, 7, True), 1),             # whole channel blocks: the weight packed in
+    ((1, 128, 192, 9, 9, False), 2),        #   one copy per block (_pointwise_t_nest)
+], ids=str)
+def test_small_images_blocked_data_grad(case, stride, dtype, monkeypatch):
+    """1x1 layers whose images have at most 256 output pixels take ops.conv's blocked data
+    gradient (conv_pointwise.MIN_DX_PIXELS), the weight and bias gradients still GEMMs; with
+    the forward's packed weight (Conv2d) or packing their own, against torch."""
+    x, wt, b, _ = _data(case, seed=4)
+    if dtype == "bf16":
+        x, wt, b = x.bfloat16(), wt.bfloat16(), None if b is None else b.bfloat16()
+    assert not conv.serves_pointwise(x, wt, stride, forward=False)
+    def boom(*args, **kwargs):
+        raise AssertionError("a blocked weight gradient")
+    monkeypatch.setattr(conv, "_dw_nest", boom)
+    leaves = [t for t in (x, wt, b) if t is not None]
+    ref_in = [t.float().clone().requires_grad_() for t in leaves]
+    ref = F.conv2d(*ref_in, stride=stride)
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).to(x.dtype)
+    want = torch.autograd.grad(ref, ref_in, dy.float())
+
+    def close(mine, theirs):
+        if dtype == "bf16":
+            _close_bf16(mine, theirs)
+        else:
+            torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=1e-4)
+    mod = tc.Conv2d(case[1], case[2], 1, stride=stride, bias=b is not None,
+                    dtype=x.dtype)
+    with torch.no_grad():
+        mod.weight.copy_(wt)
+        if b is not None:
+            mod.bias.copy_(b)
+    for conv2d in (lambda t: tc.conv2d(t, *leaves[1:], stride=stride), mod):
+        xin = x.clone().requires_grad_()
+        y = conv2d(xin)
+        params = [xin] + ([mod.weight] + ([mod.bias] if b is not None else [])
+                          if conv2d is mod else [])
+        for mine, theirs in zip(torch.autograd.grad(y, params, dy), want):
+            close(mine, theirs)
+    packed = conv.pack_weight(wt, 1, conv._dt.lookup(dtype), transposed=True)
+    dx = ops.conv2d_backward(dy, x, wt, stride=stride, need=(True, False, False),
+                             packed=packed)[0]
+    close(dx, want[0])
+
+
+def test_data_grad_path_by_output_pixels():
+    w = torch.zeros(8, 4, 1, 1)
+    assert not conv.serves_pointwise(torch.zeros(1, 4, 16, 16), w, forward=False)   # 256
+    assert conv.serves_pointwise(torch.zeros(1, 4, 1, 257), w, forward=False)
+    assert not conv.serves_pointwise(torch.zeros(1, 4, 34, 34), w, 3, forward=False)  # 144
+    assert conv.serves_pointwise(torch.zeros(1, 4, 34, 34), w, forward=False)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("shape, groups", [((192, 128, 1, 1), 1), ((12, 4, 1, 1), 2)])
+def test_1x1_data_grad_pack_is_the_turned_forward_pack(shape, groups, dtype):
+    """A 1x1 weight in whole channel blocks is packed for the data gradient by one copy per
+    block: the same array as the forward's packed weight with its blocks turned."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    dt = conv._dt.lookup(dtype)
+    if dtype == "bf16":
+        w = w.bfloat16()
+    direct = conv.pack_weight(w, groups, dt, transposed=True)
+    turned = conv.transpose_packed(conv.pack_weight(w, groups, dt))
+    assert direct.transposed and direct.data.shape == turned.data.shape
+    assert torch.equal(torch.as_tensor(direct.data), torch.as_tensor(turned.data))
