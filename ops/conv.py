@@ -41,7 +41,7 @@ accumulates the taps in an f32 tile and rounds it once (an identity TPP). An NCH
 written by the nest too, each finished tile transposed into it while in cache
 (conv_layout.write_nchw); the blocked output is kept only for chains (conv2d_blocked).
 Host data with a weight slice per output block (all its input blocks and taps) over
-conv_layout.WEIGHT_SLICE_BYTES sums the input blocks in chunks (WEIGHT_CHUNK_BYTES), an
+conv_chunks.WEIGHT_SLICE_BYTES sums the input blocks in chunks (WEIGHT_CHUNK_BYTES), an
 outermost sequential loop: every tile of a chunk before the next chunk, so that a chunk's
 weights stay in the L2 cache while the rows and images reuse them (3x3 512 @7 f32: 1.18 MB
 per output block, 8 chunks; the forward 385 -> ~500 GFLOP/s at 2 cores). The data
@@ -54,11 +54,10 @@ input, cropped by the conversion back to NCHW (device data). Host data instead r
 stride**2 stride-1 sub-convolutions, one per phase of the input pixels, for the unpadded
 pixels only (ops.conv_strided: the zero-spread form does stride**2 times the multiply-adds,
 and at stride 1 computes the padding too: 512 @7, 81 pixels for 49).
-Backward weight: per (output block, input block, tap) a BRGEMM dy^T @ x over the output
-pixels of one row (trans_a), batch-reduced over a run of output rows (DW_CALL_BYTES; a block
-split in halves of its rows where blocks are few, DW_MIN_ITEMS), summed over the runs and
-the batch
-(bf16 host data: ops.conv_dw, x^T @ dy with dy in VNNI pairs of pixels, on vdpbf16ps).
+Backward weight (ops.conv_dw): per (output block, input block, tap) a BRGEMM dy^T @ x over
+the output pixels of one row (trans_a), batch-reduced over a run of output rows, summed over
+the runs and the batch (bf16 host data: x^T @ dy with dy in VNNI pairs of pixels, on
+vdpbf16ps).
 Backward bias: a BRGEMM of a ones row by dy, batch-reduced over the images (host data: a row
 sum of dy as it is). At most 4 input channels per group (the stem, depthwise; host data):
 the forward and weight gradient fold a kernel row's taps into one BRGEMM (ops.conv_taps;
@@ -102,8 +101,9 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
     BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
     _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest, _vector_nest, to_blocked,
     from_blocked, pack_weight, pack_transposed, transpose_packed, _pad_bias, _size,
-    nchw_output, write_nchw, _dw_out_nest, _check_xb, weight_chunks, chunk_cases
+    nchw_output, write_nchw, _dw_out_nest, _check_xb
 )
+from .conv_chunks import chunk_cases, weight_chunks
 
 
 # The forward writes an NCHW output from its nest, each tile transposed while in cache, instead
@@ -120,7 +120,7 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     written inside a frame (top, bottom, left, right) of yb that the nest leaves alone; with
     kg (output channels per group), each finished tile also goes to the NCHW y (N,
     groups*kg, p*q) (conv_layout.write_nchw). chunked: a large weight slice is summed in
-    chunks (conv_layout.weight_chunks; for a CPU's L2 cache: False for device data)."""
+    chunks (ops.conv_chunks; for a CPU's L2 cache: False for device data)."""
     n = tpp.size("N")
     vnni = dtype == _dt.BF16
     bq = min(q, PIXELS)
@@ -129,7 +129,7 @@ def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype
     # batch is the row's taps (A and B strides uniform in j); else per tap, over the blocks
     fold = fold and 1 < s and cb < s
     # a large weight slice is summed over in chunks of input blocks, each chunk's pass over
-    # every tile finished before the next (conv_layout.weight_chunks)
+    # every tile finished before the next (ops.conv_chunks)
     chunks = weight_chunks(cb, r * s * bc * bk * dtype.itemsize) if chunked and not fold else 1
     # the pixel-block loop is parallel too where there is one row (a flattened 1x1 layer)
     order = ("ABCDE" if p == 1 else "ABCDe") if chunks == 1 else \
@@ -201,67 +201,8 @@ def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
     return make(hp, wp, p, q), args
 
 
-# The weight gradient's BRGEMM reads its A (dy) and B (x) rows once per register tile of its
-# (bk x bc) block (11 row tiles at 64 x 64), so a call's operands should stay in cache across
-# them: a call takes as many output rows as keep its operands within DW_CALL_BYTES (3x3 64 @56
-# f32: 4 rows, 116 KiB, where all 56 rows, 1.6 MB, streamed from L3 11 times). With fewer
-# than DW_MIN_ITEMS parallel blocks (3x3 64: 9 taps for the threads), each block's rows are
-# split in two halves (18 items, 32-row tiles). 3x3 64 @56, batch 4, 2 Zen 5 cores, the
-# whole weight gradient, interleaved: 2.74 -> 2.33 ms; 128 @28 2.31 -> 2.25; 256 @14 2.10 ->
-# 2.01; 512 @7 level.
-DW_CALL_BYTES = 128 * 1024
-DW_MIN_ITEMS = 32
-
-
-@functools.lru_cache(maxsize=256)
-def _dw_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype):
-    """dwt (groups, kb*bk, r*s, cb*bc) f32 = sum over n, p, q of dy^T x (every block written:
-    the first call of the first image with beta 0, so dwt needs no zeroing; N >= 1)."""
-    n = tpp.size("N")
-    row_bytes = (q * bk + wp * bc) * dtype.itemsize     # one output row's A and B
-    rows = max(1, min(p, DW_CALL_BYTES // row_bytes))
-    full, tail = divmod(p, rows)
-    halves = 2 if groups * kb * cb * r * s < DW_MIN_ITEMS and bk % 32 == 0 else 1
-    bm = bk // halves
-    nest = tpp.LoopNest("ABCDEHfg", a=groups, b=kb, c=cb, d=r, e=s, f=n,
-                        g=full + (tail > 0), h=halves)
-    g, k, b, c, d, e, part, half = nest.vars
-    xb = nest.tensor("xb", (n, groups * cb, hp, wp, bc), dtype)
-    dyb = nest.tensor("dyb", (n, groups * kb, p, q, bk), dtype)
-    dwt = nest.tensor("dwt", (groups, kb * bk, r * s, cb * bc), _dt.F32)
-    cases = ([(rows, (part < full,) if tail else ())] if full else []) + \
-        ([(tail, (part == full,))] if tail else [])
-    for count, when in cases:
-        for beta, first in ((0, (e == 0, part == 0)), (1, (e > 0,)), (1, (e == 0, part > 0))):
-            spec = tpp.make_brgemm(bm, bc, q, lda=bk, ldb=sw * bc, ldc=r * s * cb * bc,
-                                   dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32, beta=beta,
-                                   trans_a=True)
-            nest.call(spec, dyb[e, g * kb + k, part * rows, 0, half * bm],
-                      xb[e, g * cb + b, c * dh + part * rows * sh, d * dw],
-                      dwt[g, k * bk + half * bm, c * s + d, b * bc],
-                      count=count, stride_a=q * bk, stride_b=sh * wp * bc, when=when + first)
-    return nest.compile()
-
-
-@functools.lru_cache(maxsize=256)
-def _db_nest(kbt, bk, pq, dtype):
-    """db (kbt*bk,) f32 = sum over n and pixels of dyb (N, kbt, pq, bk)."""
-    n = tpp.size("N")
-    nest = tpp.LoopNest("A", a=kbt)
-    a, = nest.vars
-    ones = nest.tensor("ones", (pq,), dtype)
-    dyb = nest.tensor("dyb", (n, kbt, pq, bk), dtype)
-    db = nest.tensor("db", (kbt * bk,), _dt.F32)
-    spec = tpp.make_brgemm(1, bk, pq, lda=pq, ldb=bk, ldc=bk, dtype_a=dtype, dtype_b=dtype,
-                           dtype_c=_dt.F32)
-    nest.call(spec, ones[0], dyb[0, a], db[a * bk], count=n, stride_a=0,
-              stride_b=kbt * pq * bk)
-    return nest.compile()
-
-
 for _nest_cache in (_to_blocked_nest, _from_blocked_nest, _weight_rows_nest,
-                    _weight_blocks_nest, _vector_nest, _conv_nest, _dw_nest, _dw_out_nest,
-                    _db_nest):
+                    _weight_blocks_nest, _vector_nest, _conv_nest, _dw_out_nest):
     also_clear(_nest_cache.cache_clear)     # tpp.clear_caches() empties them too
 
 
@@ -526,9 +467,9 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
             dwt = (_host.empty if n else _host.zeros)(
                 (geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
         if n and not taps and dw is None:
-            _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0],
-                     geo.stride[1], geo.dilation[0], geo.dilation[1], geo.p, geo.q,
-                     dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
+            _dwv.brgemm_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s,
+                             geo.stride[0], geo.stride[1], geo.dilation[0], geo.dilation[1],
+                             geo.p, geo.q, dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
     if need_dw and dw is None:
         dw = _host.empty(tuple(weight.shape), dt, x)
         _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
@@ -544,7 +485,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         dbp = _host.zeros((kbt * bk,), _dt.F32, x)
         pq = geo.p * geo.q
         if n:
-            _db_nest(kbt, bk, pq, dt)(_ones_like(pq, dt, x),
+            _dwv.bias_nest(kbt, bk, pq, dt)(_ones_like(pq, dt, x),
                                       _host.reshape(dyb0, (n, kbt, pq, bk)), dbp,
                                       threads=_threads(2.0 * _size(dy)))
         db = _host.empty((geo.k,), dt, x)

@@ -21,7 +21,7 @@ per block of at most 64 pixels j' of one phase column b, one BRGEMM per tap of t
 (pixels x bk) @ (bk x bc), batch-reduced over dy's channel blocks, written to every sw-th
 pixel of dx's row (ldc = sw*bc); the first tap writes (beta 0), the rest add. A phase with no
 tap (stride > kernel extent, e.g. a 1x1 stride-2 layer) is zeroed. A large weight slice per dx
-block is summed in chunks of dy's blocks, like ops.conv's forward (conv_layout.weight_chunks;
+block is summed in chunks of dy's blocks, like ops.conv's forward (ops.conv_chunks;
 3x3 512 @7 f32, batch 4, 2 cores: 2.26 -> 2.04 ms). Where a phase column has
 more taps than dy has channel blocks (3x3 64 and 128 at stride 1), one BRGEMM per (dy block,
 kernel row) takes the row's evenly spaced taps as its batch instead (_fold: 1-5% faster at one
@@ -42,8 +42,9 @@ from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
 from . import _host
-from .conv_layout import (PIXELS, Geometry, _size, _threads, _weight_rows_nest, chunk_cases,
-                          from_blocked, to_blocked, weight_chunks)
+from .conv_chunks import chunk_cases, weight_chunks
+from .conv_layout import (PIXELS, Geometry, _size, _threads, _weight_rows_nest, from_blocked,
+                          to_blocked)
 
 
 def _phase_taps(size, pad, k, stride, dil, out):

@@ -1,8 +1,8 @@
 """Sums split for the caches. Weight slices summed in chunks of input blocks
-(conv_layout.weight_chunks): the forward nest (ops.conv._conv_nest) and the data gradient's
+(ops.conv_chunks): the forward nest (ops.conv._conv_nest) and the data gradient's
 (ops.conv_strided._dx_nest) split a large weight slice into chunks, the first chunk writing
 each tile, the last applying the bias and activation (and, for bf16, rounding the f32
-accumulator); the weight gradient (ops.conv._dw_nest) sums runs of output rows and splits
+accumulator); the weight gradient (ops.conv_dw.brgemm_nest) sums runs of output rows and splits
 few blocks in halves. Against torch, with a middle chunk (three or more), row runs with a
 tail, strides, dilation, groups and padded channel blocks."""
 import pytest
@@ -11,16 +11,17 @@ import torch.nn.functional as F
 
 import ops
 import ops.conv as conv
-import ops.conv_layout as conv_layout
+import ops.conv_chunks as conv_chunks
+import ops.conv_dw as conv_dw
 import ops.conv_strided as strided
 import tpp
-from ops.conv_layout import WEIGHT_CHUNK_BYTES, weight_chunks
+from ops.conv_chunks import WEIGHT_CHUNK_BYTES, weight_chunks
 
 @pytest.fixture(autouse=True)
 def chunk_small_slices(monkeypatch):
     """Every slice over one block is chunked (WEIGHT_SLICE_BYTES 0), so that small layers
     take the chunked nests; the nest caches emptied before and after."""
-    monkeypatch.setattr(conv_layout, "WEIGHT_SLICE_BYTES", 0)
+    monkeypatch.setattr(conv_chunks, "WEIGHT_SLICE_BYTES", 0)
     tpp.clear_caches()
     yield
     monkeypatch.undo()
@@ -63,7 +64,7 @@ def test_weight_chunks(monkeypatch):
     assert weight_chunks(3, WEIGHT_CHUNK_BYTES + 1) == 3     # one block over the budget
     assert weight_chunks(1, 10 * WEIGHT_CHUNK_BYTES) == 1
     monkeypatch.undo()      # the real threshold: a slice that fits is not chunked
-    slice_bytes = conv_layout.WEIGHT_SLICE_BYTES
+    slice_bytes = conv_chunks.WEIGHT_SLICE_BYTES
     assert weight_chunks(8, slice_bytes // 8) == 1
     assert weight_chunks(8, slice_bytes // 8 + 1) > 1
 
@@ -114,7 +115,7 @@ def test_chunked_matches_unchunked(monkeypatch):
     y = ops.conv2d(x, wt, b, activation="relu", **kw)
     dy = torch.randn(y.shape)
     dx = ops.conv2d_backward(dy, x, wt, need=(True, False, False), **kw)[0]
-    monkeypatch.setattr(conv_layout, "WEIGHT_SLICE_BYTES", 1 << 40)
+    monkeypatch.setattr(conv_chunks, "WEIGHT_SLICE_BYTES", 1 << 40)
     tpp.clear_caches()
     try:
         y1 = ops.conv2d(x, wt, b, activation="relu", **kw)
@@ -126,7 +127,7 @@ def test_chunked_matches_unchunked(monkeypatch):
     torch.testing.assert_close(dx, dx1, atol=1e-4, rtol=1e-5)
 
 
-# the weight gradient's BRGEMMs over runs of output rows (ops.conv.DW_CALL_BYTES), a block's
+# the weight gradient's BRGEMMs over runs of output rows (ops.conv_dw.DW_CALL_BYTES), a block's
 # rows in halves where blocks are few (DW_MIN_ITEMS): n, c, k, h, w, (r, s), stride,
 # padding, dilation, groups, the call budget in bytes (None: the default)
 DW_CASES = [
@@ -148,7 +149,7 @@ def test_weight_grad_row_runs(case, monkeypatch):
     dy = torch.randn(y.shape, generator=g)
     y.backward(dy)
     if budget is not None:
-        monkeypatch.setattr(conv, "DW_CALL_BYTES", budget)
+        monkeypatch.setattr(conv_dw, "DW_CALL_BYTES", budget)
         tpp.clear_caches()
     try:
         dw = ops.conv2d_backward(dy, x, wt.detach(), need=(False, True, False), **kw)[1]

@@ -242,7 +242,8 @@ def test_small_images_blocked_data_grad(case, stride, dtype, monkeypatch):
     assert not conv.serves_pointwise(x, wt, stride, forward=False)
     def boom(*args, **kwargs):
         raise AssertionError("a blocked weight gradient")
-    monkeypatch.setattr(conv, "_dw_nest", boom)
+    monkeypatch.setattr(ops.conv_dw, "brgemm_nest", boom)
+    monkeypatch.setattr(ops.conv_dw, "weight_grad", boom)
     leaves = [t for t in (x, wt, b) if t is not None]
     ref_in = [t.float().clone().requires_grad_() for t in leaves]
     ref = F.conv2d(*ref_in, stride=stride)
