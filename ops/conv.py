@@ -486,8 +486,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         pq = geo.p * geo.q
         if n:
             _dwv.bias_nest(kbt, bk, pq, dt)(_ones_like(pq, dt, x),
-                                      _host.reshape(dyb0, (n, kbt, pq, bk)), dbp,
-                                      threads=_threads(2.0 * _size(dy)))
+                                            _host.reshape(dyb0, (n, kbt, pq, bk)), dbp,
+                                            threads=_threads(2.0 * _size(dy)))
         db = _host.empty((geo.k,), dt, x)
         _vector_nest(geo.groups, geo.kg, kbt // geo.groups * bk, _dt.F32, dt, False)(
             dbp, db, threads=1)

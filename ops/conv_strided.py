@@ -150,9 +150,10 @@ def _dx_nest(groups, kb, cb, bk, bc, r, s, h, w, hd, wd, sh, sw, rows, cols, ft,
                             pixels, bc, bk, lda=bk, ldb=2 * bc if vnni else bc, ldc=sw * bc,
                             dtype_a=dtype, dtype_b=dtype, dtype_c=_dt.F32 if vnni else dtype,
                             beta=0 if (t == 0 and first) else 1, vnni_b=vnni)
-                        u = u + part * ks
-                        nest.call(spec, dyb[an, g * kb + u, e + oi + ft, f * bq + oj + fl],
-                                  wbt[blk, u, r - 1 - i, s - 1 - j], acc[out],
+                        dy_block = u + part * ks     # dy's block (of this chunk's)
+                        nest.call(spec, dyb[an, g * kb + dy_block, e + oi + ft,
+                                            f * bq + oj + fl],
+                                  wbt[blk, dy_block, r - 1 - i, s - 1 - j], acc[out],
                                   count=count, stride_a=stride_a, stride_b=stride_b,
                                   when=when + kwhen)
                 if vnni:
