@@ -350,7 +350,10 @@ DDP_RANK = DDP_COMMON + textwrap.dedent('''
     with torch.no_grad():
         pred = net(x)
     torch.save({"state": net.state_dict(), "pred": pred}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    dist.barrier()
+    # both ranks saved: leave without gloo's teardown, which can abort a rank whose peer has
+    # already closed its connections ("terminate called without an active exception")
+    os._exit(0)
 ''')
 
 
