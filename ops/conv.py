@@ -420,9 +420,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     if _pointwise_layer(geo, x, weight, dy):    # GEMMs on NCHW (xb: unused)
         if need_dx and _pointwise_layer(geo, data_grad=True):   # packed: unused too
             dx = _pointwise.data_grad(dy, weight, geo)
-        elif need_dx:       # small images: the blocked data gradient (below)
-            wbt = packed or pack_weight(weight, geo.groups, dt, transposed=True)
-            dx = _strided.data_grad(dy, wbt.data, geo, x)
+        elif need_dx:       # small images: the blocked data gradient
+            dx = _host_data_grad(dy, weight, geo, x, packed)
         return (dx,
                 _pointwise.convert(_pointwise.weight_grad(dy, x, geo), dt) if need_dw else None,
                 _pointwise.convert(_pointwise.bias_grad(dy, geo), dt) if need_db else None)
@@ -430,12 +429,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
                     (0, 0, 0, 0), geo.dilation, dt)
     if need_dx and _on_host(x):
-        # phase decomposition: stride**2 stride-1 sub-convolutions (ops.conv_strided)
-        if _strided.small(geo):     # few channels (the stem): pixels as the GEMM columns
-            dx = _strided.data_grad_small(dy, weight, geo, x)
-        else:
-            wbt = packed or pack_weight(weight, geo.groups, dt, transposed=True)
-            dx = _strided.data_grad(dy, wbt.data, geo, x)
+        dx = _host_data_grad(dy, weight, geo, x, packed)
         need_dx = False
     if need_dx:
         # the gradient of the padded input: dy scattered (stride), framed by dil*(R-1)
@@ -492,6 +486,16 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         _vector_nest(geo.groups, geo.kg, kbt // geo.groups * bk, _dt.F32, dt, False)(
             dbp, db, threads=1)
     return dx, dw, db
+
+
+def _host_data_grad(dy, weight, geo, x, packed):
+    """dx of host data: stride**2 stride-1 sub-convolutions, one per phase (ops.conv_strided),
+    with packed (or the weight packed here) or, for few channels (the stem), pixels as the
+    GEMM columns."""
+    if _strided.small(geo):
+        return _strided.data_grad_small(dy, weight, geo, x)
+    wbt = packed or pack_weight(weight, geo.groups, geo.dtype, transposed=True)
+    return _strided.data_grad(dy, wbt.data, geo, x)
 
 
 def _conv_padded(dyb, wbt, tgeo, geo, like):
