@@ -5,7 +5,7 @@
     y = ln(x)                               #   state_dict keys, reset_parameters, repr
     rms = tn.RMSNorm(768)                   # torch.nn.RMSNorm's
     y = tn.layer_norm(x, (768,), w, b, 1e-5)
-    y = tn.rms_norm(x, (768,), w)           # eps=None: torch.finfo(x.dtype).eps
+    y = tn.rms_norm(x, (768,), w)           # eps=None: torch.finfo(torch.float32).eps
     p = tn.softmax(scores, dim=-1)          # torch.nn.functional.softmax(input, dim, dtype=None)
 
 The modules subclass torch.nn.LayerNorm / torch.nn.RMSNorm and replace only `forward`, so
@@ -47,7 +47,10 @@ __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "softmax", "LayerNo
            "RMSNormFunction", "SoftmaxFunction"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
-_EPS = {t: torch.finfo(t).eps for t in _DTYPES}     # rms_norm's eps=None
+# rms_norm's eps=None: the epsilon of the type torch computes in (its "opmath" type, f32 for
+# f32, bf16 and f16 input), not of the input's dtype as its documentation says: bf16 input
+# gets 1.19e-07, not bf16's 0.0078 (which moves an output of rows at 0.1 by up to 0.8)
+_DEFAULT_RMS_EPS = torch.finfo(torch.float32).eps
 # the planned calls take the modules' Parameters as they are (ops._host would learn both
 # types at its first sight of each; a planned call's signature needs them known now)
 _host.know_cpu_tensor_types(torch.Tensor, torch.nn.Parameter)
@@ -214,10 +217,11 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(input, normalized_shape, weight=None, eps=None):
-    """torch.nn.functional.rms_norm on TPPs; eps None: torch.finfo(input.dtype).eps."""
+    """torch.nn.functional.rms_norm on TPPs; eps None: torch.finfo(torch.float32).eps (what
+    torch uses for f32 and bf16 input alike)."""
     if type(input) is torch.Tensor and input.dim() and input.dtype in _DTYPES:
         y = _planned("rms_fwd", input, input.shape[-1], normalized_shape, {"weight": weight},
-                     _EPS[input.dtype] if eps is None else eps)
+                     _DEFAULT_RMS_EPS if eps is None else eps)
         if y is not None:
             return y
     shape = _normalized(normalized_shape)
@@ -226,7 +230,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     if not _servable(input, weight) or input.numel() == 0 or _too_wide(shape, weight):
         return F.rms_norm(input, shape, weight, eps)
     _check_shapes(input, shape, weight, None)
-    eps = _n._eps(torch.finfo(input.dtype).eps if eps is None else eps)
+    eps = _n._eps(_DEFAULT_RMS_EPS if eps is None else eps)
     x, w, _ = _flat(input, shape, weight, None)
     if _wants_grad(x, w):
         y = RMSNormFunction.apply(x, w, eps)

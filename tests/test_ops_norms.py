@@ -305,6 +305,26 @@ def test_rmsnorm_module_and_functionals():
     assert tn.softmax(s.detach(), -1, dtype=torch.float64).dtype == torch.float64
 
 
+def test_rmsnorm_default_eps_is_torchs_for_bf16():
+    """eps=None: torch takes f32's epsilon (its computation type's) for bf16 input too, not
+    bf16's 0.0078, which on rows of mean square ~1e-2 shrinks the output by ~30%."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 64) * 0.1).bfloat16()
+    ref = torch.nn.RMSNorm(64).bfloat16()
+    ours = tn.RMSNorm(64).bfloat16()
+    ours.load_state_dict(ref.state_dict())
+    for _ in range(2):      # the checked call, then the planned one
+        torch.testing.assert_close(ours(x), ref(x), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(tn.rms_norm(x, (64,)), F.rms_norm(x, (64,)),
+                                   rtol=2e-2, atol=2e-2)
+    xg = x.clone().requires_grad_()
+    xr = x.clone().requires_grad_()
+    g = torch.randn(6, 64).bfloat16()
+    tn.rms_norm(xg, (64,)).backward(g)
+    F.rms_norm(xr, (64,)).backward(g)
+    torch.testing.assert_close(xg.grad, xr.grad, rtol=3e-2, atol=3e-2)
+
+
 def test_dropin_fallbacks_and_double_backward():
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(tn.layer_norm(x, (8,)), F.layer_norm(x, (8,)))
