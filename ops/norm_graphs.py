@@ -129,6 +129,14 @@ def _grad(outputs, wrt, cotangents, stop=()):
 # Each builder takes the block's rows and returns an EquationSpec; operands of the same name
 # in every builder of one nest (the nest declares one tensor per operand name).
 
+def normalized(eq, x, xc, mu, rstd):
+    """(x - mu) * rstd as the LayerNorm forwards write it: fma(x, rstd, -mu * rstd), one
+    operation per element; over one column (eq.n == 1) xc * rstd, exactly 0 where the fma
+    form leaves the rounding of mu * rstd (~ulp(x) / sqrt(eps)): LayerNorm over one feature
+    returns its bias exactly, as torch's does."""
+    return xc * rstd if eq.n == 1 else eq.fma(x, rstd, -(mu * rstd))
+
+
 def _ln_forward_graph(eq, has_w, has_b, dt, wdt):
     x = eq.input("x", dtype=dt)
     w = eq.input("weight", dtype=wdt, bcast="row") if has_w else None
@@ -138,7 +146,7 @@ def _ln_forward_graph(eq, has_w, has_b, dt, wdt):
     xc = x - mu
     s = eq.sqrt(eq.mean(xc * xc, 1) + eps)
     rstd = 1.0 / s
-    y = eq.fma(x, rstd, -(mu * rstd))
+    y = normalized(eq, x, xc, mu, rstd)
     if w is not None:
         y = y * w
     if b is not None:

@@ -63,7 +63,7 @@ bench: LayerNorm forward ~0.8 ms (~40 GB/s, RMSNorm ~0.7), LayerNorm fwd+bwd ~2.
 compiler: tpp_cpu.equation's "Pipelined rows"; torch ~2.5), 32768 x 128 softmax ~1.35 ms.
 
 LayerNorm forward:  mu = mean(x), var = mean((x - mu)^2) (two passes: no cancellation),
-rstd = 1 / sqrt(var + eps), y = fma(x, rstd, -mu * rstd) * w + b.
+rstd = 1 / sqrt(var + eps), y = fma(x, rstd, -mu * rstd) * w + b ((x - mu) * rstd over one column).
 RMSNorm forward:    rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * w.
 softmax forward:    z = x * scale + mask, y = exp(z - max(z)) * (1 / sum(exp(z - max(z)))).
 

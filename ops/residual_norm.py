@@ -75,7 +75,7 @@ def _graph(eq, dt, wdt, has_bias, has_w, has_b, p, saved_keep, norm=True):
     hc = h - mu
     s = eq.sqrt(eq.mean(hc * hc, 1) + eps)
     rstd = 1.0 / s
-    y = eq.fma(h, rstd, -(mu * rstd))
+    y = _graphs.normalized(eq, h, hc, mu, rstd)
     if w is not None:
         y = y * w
     if b is not None:

@@ -325,6 +325,24 @@ def test_rmsnorm_default_eps_is_torchs_for_bf16():
     torch.testing.assert_close(xg.grad, xr.grad, rtol=3e-2, atol=3e-2)
 
 
+def test_layer_norm_over_one_feature_is_its_bias_exactly():
+    """Over one column x - mean is 0: y is the bias exactly (torch's too), not the bias plus
+    the rounding of mean * rstd (~ulp(x) / sqrt(eps), 3e-3 at x = 100, eps = 1e-6)."""
+    from ops.residual_norm import residual_layer_norm
+    x = torch.tensor([[100.3], [20.7], [-3.1], [0.9], [1e4]])
+    w, b = torch.tensor([1.7]), torch.tensor([0.25])
+    for eps in (1e-5, 1e-6):
+        assert torch.equal(tn.layer_norm(x, (1,), eps=eps), torch.zeros(5, 1))
+        assert torch.equal(tn.layer_norm(x, (1,), w, b, eps), torch.full((5, 1), 0.25))
+    y = residual_layer_norm(x.numpy(), None, (2 * x).numpy(), w.numpy(), b.numpy(), 1e-6)[0]
+    assert np.array_equal(y, np.full((5, 1), 0.25, np.float32))
+    xg = x.clone().requires_grad_()
+    tn.layer_norm(xg, (1,), w, b, 1e-6).backward(torch.randn(5, 1))
+    assert torch.equal(xg.grad, torch.zeros(5, 1))
+    xb = x.bfloat16()
+    assert torch.equal(tn.layer_norm(xb, (1,), eps=1e-6), torch.zeros(5, 1, dtype=torch.bfloat16))
+
+
 def test_dropin_fallbacks_and_double_backward():
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(tn.layer_norm(x, (8,)), F.layer_norm(x, (8,)))
