@@ -306,6 +306,34 @@ def test_rowwise_folds_sums_down_the_columns(m, n, with_dx):
     np.testing.assert_allclose(used(x=xa).out, xa * x64.sum(0), rtol=1e-5, atol=1e-4)
 
 
+_PRIMS = {"exp": np.exp, "tanh": np.tanh, "sigmoid": lambda v: 1 / (1 + np.exp(-v))}
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (4, 16), (5, 37), (9, 300)])
+@pytest.mark.parametrize("prim", sorted(_PRIMS))
+def test_folded_column_sum_of_a_transcendental_beside_a_row_reduction(m, n, prim):
+    """A transcendental that is a block output and the argument of a sum down the columns,
+    beside a reduction along the rows: the output pass computes it for both (the sum is
+    folded there, not in the row reduction's pass, so nothing may be kept from that pass).
+    It once read a stack buffer that no pass wrote: garbage in both outputs."""
+    eq = tpp.equation(m, n)
+    x = eq.input("x")
+    e = getattr(eq, prim)(x)
+    k = eq.compile(e, colsum=eq.sum(e, axis=0), colmax=eq.max(e * x, axis=0),
+                   rowsum=eq.sum(x, axis=1), scaled=e * eq.mean(x, axis=1))
+    assert _schedule(k).rowwise and len(_schedule(k).down) == 2
+    xa = _rand(m, n)
+    got = k(x=xa)
+    x64 = xa.astype(np.float64)
+    e64 = _PRIMS[prim](x64)
+    np.testing.assert_allclose(got.out, e64, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.colsum, e64.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.colmax, (e64 * x64).max(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.rowsum, x64.sum(1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.scaled, e64 * x64.mean(1, keepdims=True), rtol=1e-5,
+                               atol=1e-6)
+
+
 @pytest.mark.parametrize("m,n", [(1, 16), (3, 37), (9, 1024)])
 def test_rowwise_second_pass_prefetches_the_next_row(m, n):
     """A rowwise kernel whose second pass does PREFETCH_OPS or more block operations per vector

@@ -262,14 +262,22 @@ class _Gen(GeneralSchedule, Pipelining):
         return irx.splat(b, irx.load_scalar(b, p, offset, F32), w)
 
     # ------------------------------------------------------------ kept intermediates
-    def pass_nodes(self):
-        """(stage, the block-shaped nodes that stage's pass evaluates) for each pass of the
-        rowwise schedule: 1..depth the reduction levels, depth+1 the outputs."""
+    def level_reductions(self, level):
+        """The reductions that the pass of reduction level `level` accumulates: those of that
+        level, less (rowwise) the sums down the columns, which the output pass folds in."""
+        return [r for r in self.reductions if self.level[r] == level
+                and not (self.rowwise and r in self.down)]
+
+    def pass_nodes(self, folded=True):
+        """(stage, the block-shaped nodes that stage's pass evaluates) for each pass: 1..depth
+        the reduction levels, depth+1 the outputs (rowwise: with the arguments of the sums
+        down the columns folded into it, unless folded=False)."""
+        folded = [r.args[0] for r in self.down] if self.rowwise and folded else []
         for level in range(1, self.depth + 2):
             if level <= self.depth:
-                targets = [r.args[0] for r in self.reductions if self.level[r] == level]
+                targets = [r.args[0] for r in self.level_reductions(level)]
             else:
-                targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
+                targets = [nd for nd, _ in self.outputs if nd.shape == "block"] + folded
             yield level, X.topological(targets, lambda nd: nd.op in X.REDUCTIONS
                                        or nd.shape != "block")
 
@@ -301,7 +309,7 @@ class _Gen(GeneralSchedule, Pipelining):
         if not self.rowwise or not self.depth:
             return
         if self.depth >= 2:
-            targets = [r.args[0] for r in self.reductions if self.level[r] == 2]
+            targets = [r.args[0] for r in self.level_reductions(2)]
         else:
             targets = [nd for nd, _ in self.outputs if nd.shape == "block"]
         inside = X.topological(targets, lambda nd: nd.op in X.REDUCTIONS or nd.shape != "block")
@@ -523,8 +531,7 @@ class _Gen(GeneralSchedule, Pipelining):
         for level in range(start, self.depth + 1):
             for row, memo in zip(rows, memos):
                 self.row_values(row, memo)
-            reds = [r for r in self.reductions if self.level[r] == level
-                    and r not in self.down]
+            reds = self.level_reductions(level)
             self.rowwise_level(rows, memos, reds, level)
         for row, memo in zip(rows, memos):
             self.row_values(row, memo)

@@ -35,9 +35,11 @@ class Pipelining:
     def heaviest_pass(self):
         """The most vector operations per vector of block that one pass evaluates, a
         transcendental counted by its expansion (softmax's exp pass: 16; LayerNorm's, RMSNorm's
-        passes: 4 or fewer)."""
+        passes: 4 or fewer). The sums down the columns folded into the output pass are not
+        counted (the thresholds were measured so: counting them would pipeline LayerNorm's
+        backward, whose dweight and dbias terms are a multiply each)."""
         most = 0
-        for _, inside in self.pass_nodes():
+        for _, inside in self.pass_nodes(folded=False):
             ops = 0
             for nd in inside:
                 if nd.shape != "block" or nd.op in X.LEAVES or nd.op in X.REDUCTIONS:
@@ -62,7 +64,7 @@ class Pipelining:
         are read (older row) before the pass computing them writes (newer row) at each
         column. The first and last `depth` rows fill and drain the pipeline, pass by pass."""
         b, depth = self.b, self.depth
-        levels = {s: [r for r in self.reductions if self.level[r] == s and r not in self.down]
+        levels = {s: self.level_reductions(s)
                   for s in range(1, depth + 1)}
         # prologue: row j completes its levels 1 .. depth - j
         pending = {}
