@@ -385,10 +385,13 @@ def reshape(x, shape):
 
 def contiguous(x):
     """x itself when C-contiguous, else a C-contiguous copy (the nests take dense tensors);
-    on a device the copy is a TPP (2-D arrays with one unit stride): see _device_copy."""
+    on a device the copy is a TPP (2-D arrays with one unit stride): see _device_copy. A torch
+    tensor with the negative bit set (a lazy negation) is copied with its values resolved."""
     if type(x) is np.ndarray:
         return x if x.flags.c_contiguous else np.ascontiguousarray(x)
     if arrays.is_torch(x):
+        if x.is_neg():      # torch's lazy negation: its memory holds -x
+            x = x.resolve_neg()
         if x.is_contiguous():
             return x
         return x.contiguous() if x.is_cpu else _device_copy(x)

@@ -24,10 +24,16 @@ def _dtype(x, name):
 
 
 def _numpy(x):
-    """A numpy view of a host array or CPU torch tensor (bf16 through ml_dtypes)."""
+    """A numpy view of a host array or CPU torch tensor (bf16 through ml_dtypes): a tensor's
+    data as it is (detached: this operator is not differentiable; a lazily negated one
+    resolved, a copy)."""
     if type(x) is np.ndarray:
         return x
     import torch
+    if x.requires_grad:
+        x = x.detach()
+    if x.is_neg():
+        x = x.resolve_neg()
     if x.dtype == torch.bfloat16:
         return x.view(torch.int16).numpy().view(_dt.BF16.numpy)
     if x.dtype == torch.bool:

@@ -369,7 +369,7 @@ class _Plan:
                     return y
             if not x.flags.c_contiguous:
                 return None
-        elif not (x.is_cpu and x.is_contiguous()):
+        elif not (x.is_cpu and x.is_contiguous()) or x.is_neg():
             return None
         return self.run(x, packed, None, bias, "x")
 
@@ -454,11 +454,12 @@ def _device_data(a) -> bool:
 
 
 def _dense(t) -> bool:
-    """Whether t is a C-contiguous numpy array or a contiguous CPU torch tensor of a type
-    _host.host accepts as it is (else `run` passes it through _host first)."""
+    """Whether t is a C-contiguous numpy array or a contiguous CPU torch tensor (without
+    torch's negative bit) of a type _host.host accepts as it is (else `run` passes it through
+    _host first)."""
     if type(t) is _NDARRAY:
         return t.flags.c_contiguous
-    return type(t) in _TORCH_TYPES and t.is_cpu and t.is_contiguous()
+    return type(t) in _TORCH_TYPES and t.is_cpu and t.is_contiguous() and not t.is_neg()
 
 
 _NDARRAY = np.ndarray

@@ -5,7 +5,8 @@ gave the same verdict for the same signature.
 A signature is the operator, the type, shape and dtype of x and of each other array argument
 (None included) and the scalar arguments (type and value; Python floats, ints and bools
 only). Only plain arrays have one: C-contiguous numpy arrays, or contiguous CPU torch tensors
-of a type ops._host knows (torch.Tensor, torch.nn.Parameter), all of x's kind. The checked
+(without torch's negative bit) of a type ops._host knows (torch.Tensor, torch.nn.Parameter),
+all of x's kind. The checked
 call (ops.norms._run with its `plan` key) records the nest it ran, the row count, its
 constant scalar arrays (eps) and the dtypes of its summed outputs. The nest's own call still
 checks every array (dtype, contiguity, shape, overlap), so an array that slipped past the
@@ -45,13 +46,14 @@ def signature(kind, x, arrays, scalars):
             else:
                 return None
     elif t in _host._CPU_TENSOR_TYPES:
-        if not x.is_cpu or not x.is_contiguous():
+        if not x.is_cpu or not x.is_contiguous() or x.is_neg():
             return None
         key = [kind, t, x.shape, x.dtype]
         for a in arrays:
             if a is None:
                 key.append(None)
-            elif type(a) in _host._CPU_TENSOR_TYPES and a.is_cpu and a.is_contiguous():
+            elif type(a) in _host._CPU_TENSOR_TYPES and a.is_cpu and a.is_contiguous() \
+                    and not a.is_neg():
                 key.append((a.dtype, a.shape))      # (a Parameter and its detached view alike)
             else:
                 return None

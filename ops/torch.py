@@ -142,6 +142,8 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation, packed):
+        if x.is_neg() or weight.is_neg():   # torch's lazy negation: the kernels read memory
+            x, weight = x.resolve_neg(), weight.resolve_neg()
         if type(packed) is _Checked:
             # from Linear or _linear: x, weight, bias, activation and packed validated, and a
             # gradient wanted (grad mode on, an input requiring grad)

@@ -126,6 +126,22 @@ def test_masks_vs_torch(which, sq, sk):
     _check(*_inputs(b, h, h, sq, sk, 32, seed=which), mask=mask)
 
 
+def test_tensors_requiring_grad_are_read_as_data():
+    """ops.attention is not differentiable (ops.torch's is): like the other operators it reads
+    a tensor that requires grad as its data, on the first call and the planned one."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.zeros(5, 5, requires_grad=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q.detach(), k, v)
+    for _ in range(2):
+        torch.testing.assert_close(ops.attention(q, k, v), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ops.attention_forward(q, k, v)[0], want, rtol=1e-4,
+                                   atol=1e-5)
+        torch.testing.assert_close(ops.attention(q, k, v, mask=mask), want, rtol=1e-4,
+                                   atol=1e-5)
+
+
 def test_mask_with_causal_and_gqa():
     b, h, hk, s = 1, 4, 2, 70
     mask = torch.rand(b, 1, 1, s, generator=torch.Generator().manual_seed(1)) > 0.2

@@ -195,7 +195,7 @@ def signature(arr):
         if not _TORCH_STRIDED:
             import torch
             _TORCH_STRIDED.append(torch.strided)
-        if arr.layout is not _TORCH_STRIDED[0]:
+        if arr.layout is not _TORCH_STRIDED[0] or arr.is_neg():
             return None
         return t, arr.shape, arr.stride(), arr.dtype, arr.device
     return None
@@ -236,6 +236,9 @@ def _compute_layout(arr, name: str) -> Layout:
         if str(arr.layout) != "torch.strided":
             raise ArgumentError(f"{name}: a {arr.layout} tensor has no strided memory to read; "
                                 f"pass a dense tensor (.to_dense())")
+        if arr.is_neg():    # its memory holds -x: a kernel reading it would compute on that
+            raise ArgumentError(f"{name}: a tensor with torch's negative bit set (a lazy "
+                                f"negation, e.g. x.conj().imag): pass x.resolve_neg()")
         return _make_layout(_torch_dtype(arr), arr.dtype, tuple(arr.shape), tuple(arr.stride()),
                             arr.element_size(), device_of(arr), "torch")
     isz = arr.itemsize

@@ -446,7 +446,7 @@ class CompiledNest:
             elif type(arr) in _TORCH_PLAIN:
                 if (arr.dtype is not self._torch_dtypes[k] or not arr.is_cpu
                         or arr.layout is not _TORCH_PLAIN[type(arr)]
-                        or not arr.is_contiguous()):
+                        or not arr.is_contiguous() or arr.is_neg()):
                     return None
                 addresses.append(arr.data_ptr())
                 shapes.append(arr.shape)    # a torch.Size: equal to (and hashed as) the tuple

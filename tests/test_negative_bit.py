@@ -1,0 +1,92 @@
+"""torch tensors with the negative bit set (torch's lazy negation: x.conj().imag of a complex
+tensor, torch._neg_view) hold -x in memory. The kernels and nests, which read memory, reject
+them (ArgumentError naming .resolve_neg()); the operators and drop-ins copy them resolved and
+compute on the values torch means; on the first call and the cached paths alike."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ops  # noqa: E402
+import ops.torch as ot  # noqa: E402
+import tpp  # noqa: E402
+from tpp.core.errors import ArgumentError  # noqa: E402
+
+F = torch.nn.functional
+
+
+def _neg(t):
+    return torch._neg_view(t)
+
+
+def test_public_route_has_the_bit():
+    t = torch.tensor([[1.0 + 2.0j]]).conj().imag
+    assert t.is_neg() and t.tolist() == [[-2.0]]
+    with pytest.raises(ArgumentError, match="resolve_neg"):
+        tpp.unary("identity", 1, 1)(t)
+    assert ops.matmul(t, torch.tensor([[3.0]])).tolist() == [[-6.0]]
+
+
+def test_kernels_and_nests_reject_it():
+    x = torch.randn(4, 8)
+    relu = tpp.unary("relu", 4, 8)
+    relu(x)
+    for _ in range(2):      # the checked call, then the one a cached layout would take
+        with pytest.raises(ArgumentError, match="negative bit"):
+            relu(_neg(x))
+    with pytest.raises(ArgumentError, match="negative bit"):
+        ops.matmul(x, torch.randn(8, 8), out=_neg(torch.empty(4, 8)))
+
+
+def test_operators_compute_on_the_resolved_values():
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 16), torch.randn(16, 16)
+    q = torch.randn(1, 2, 5, 16)
+    k = torch.randn(3, 6, 3, 3)
+    cases = [
+        (lambda: ops.softmax(_neg(x)), torch.softmax(-x, -1)),
+        (lambda: ops.layer_norm(_neg(x)), F.layer_norm(-x, (16,))),
+        (lambda: ops.rms_norm(_neg(x)), F.rms_norm(-x, (16,), eps=1e-6)),
+        (lambda: ops.matmul(_neg(x), w), -x @ w),
+        (lambda: ops.matmul(x, _neg(w)), x @ -w),
+        (lambda: ops.linear(x, _neg(w)), x @ -w.t()),
+        (lambda: ops.attention(_neg(q), q, q), F.scaled_dot_product_attention(-q, q, q)),
+        (lambda: ops.conv2d(_neg(x.view(1, 6, 4, 4)), k, padding=1),
+         F.conv2d(-x.view(1, 6, 4, 4), k, padding=1)),
+        (lambda: ops.conv2d(x.view(1, 6, 4, 4), _neg(k), padding=1),
+         F.conv2d(x.view(1, 6, 4, 4), -k, padding=1)),
+    ]
+    for got, want in cases:
+        for _ in range(2):  # first call, then the planned / cached one
+            torch.testing.assert_close(got(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_dropins_forward_and_backward():
+    torch.manual_seed(0)
+    lin, ln, conv = ot.Linear(8, 8), ot.LayerNorm(8), ot.Conv2d(2, 3, 3, padding=1)
+    ref_lin, ref_conv = torch.nn.Linear(8, 8), torch.nn.Conv2d(2, 3, 3, padding=1)
+    ref_lin.load_state_dict(lin.state_dict())
+    ref_conv.load_state_dict(conv.state_dict())
+    cases = [
+        (lin, ref_lin, (4, 8)), (lin, ref_lin, (2, 3, 8)),
+        (ln, lambda t: F.layer_norm(t, (8,), ln.weight, ln.bias), (4, 8)),
+        (lambda t: ot.softmax(t, -1), lambda t: torch.softmax(t, -1), (4, 8)),
+        (conv, ref_conv, (1, 2, 5, 5)),
+        (lambda t: ot.scaled_dot_product_attention(t, t, t),
+         lambda t: F.scaled_dot_product_attention(t, t, t), (1, 2, 5, 8)),
+    ]
+    for ours, ref, shape in cases:
+        for _ in range(2):
+            x = torch.randn(*shape, requires_grad=True)
+            y = ours(_neg(x))
+            g = torch.randn_like(y)
+            y.backward(g)
+            xr = x.detach().clone().requires_grad_()
+            yr = ref(-xr)
+            yr.backward(g)
+            torch.testing.assert_close(y, yr, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            x = torch.randn(*shape)
+            torch.testing.assert_close(ours(_neg(x)), ref(-x), rtol=1e-4, atol=1e-5)
