@@ -11,9 +11,10 @@ all are re-exported here).
 
 The forward is ops.mlp_forward (bias and activation fused), or ops.mlp when no gradient is
 wanted (under torch.no_grad(), or when nothing requires grad); the backward is
-ops.mlp_backward, computing only the gradients autograd asks for. Two cases run on torch's
+ops.mlp_backward, computing only the gradients autograd asks for. Three cases run on torch's
 own operators instead, with torch's results and autograd: shapes with nothing to multiply
-(no rows, in_features or out_features 0: y is act(bias) broadcast, or empty), and a backward
+(no rows, in_features or out_features 0: y is act(bias) broadcast, or empty), tensor
+subclasses and other __torch_function__ objects (torch dispatches them), and a backward
 that must itself be differentiable (torch.autograd.grad(..., create_graph=True): gradient
 penalties, Hessian-vector products), where the gradients are recomputed in torch ops so that
 autograd can differentiate them again, to any order.
@@ -243,8 +244,10 @@ def linear(x, weight, bias=None, activation=None, *, packed=None, **unknown):
 def _linear(x, weight, bias, activation, pack):
     """The checked call: torch ops when there is nothing to multiply, else the TPP nests, with
     autograd's Function when a gradient is wanted. pack(weight) gives the packed weight (or
-    None), called only when the nests run (an empty weight cannot be packed)."""
-    if x.numel() == 0 or weight.numel() == 0:
+    None), called only when the nests run (an empty weight cannot be packed). Tensor
+    subclasses and other __torch_function__ objects are torch's to dispatch."""
+    if x.numel() == 0 or weight.numel() == 0 or \
+            torch.overrides.has_torch_function((x, weight, bias)):
         return _torch_linear(x, weight, bias, activation)
     if not _host.wants_grad(x, weight, bias):   # validated (_check): straight to the GEMM
         return _plain(_ops.linear(x, _packed(pack(weight), weight), bias, activation))

@@ -23,7 +23,8 @@ ArgumentError naming them).
 
 Served by torch's own implementation instead (same results, torch's autograd): tensors
 neither on the CPU nor on a CUDA device, dtypes other than float32 / bfloat16 (float64,
-float16, ...) or mixed dtypes, empty tensors, inputs that are not 3-D or 4-D, padding_mode
+float16, ...) or mixed dtypes, tensor subclasses and other __torch_function__ objects
+(torch dispatches them), empty tensors, inputs that are not 3-D or 4-D, padding_mode
 other than "zeros" (the module), and a backward that must itself be differentiable
 (create_graph=True: the gradients are recomputed with torch's operators). Every groups
 value is served (groups 1, grouped and depthwise; the depthwise case runs 1-channel blocks,
@@ -45,8 +46,11 @@ F = torch.nn.functional
 
 def _servable(x, weight, bias) -> bool:
     """Whether the TPP path takes these tensors: f32 / bf16 of one dtype on the CPU or a CUDA
-    device (ops.conv runs its nests there; a mix of devices is its ArgumentError)."""
+    device (ops.conv runs its nests there; a mix of devices is its ArgumentError); tensor
+    subclasses and other __torch_function__ objects are torch's to dispatch."""
     if x.dim() not in (3, 4) or weight.dim() != 4 or x.numel() == 0:
+        return False
+    if torch.overrides.has_torch_function((x, weight, bias)):
         return False
     for t in (x, weight, bias):
         if t is not None and (t.dtype != x.dtype or t.dtype not in _DTYPES

@@ -23,7 +23,8 @@ input's device; parameters on another device than the input: ArgumentError namin
 
 Served by torch's own implementation instead (same results, torch's autograd): tensors
 neither on the CPU nor on a CUDA device, dtypes other than float32 / bfloat16 (float64,
-float16, ...), empty tensors, a 0-d softmax input, rows wider than ops.norms.MAX_GRAD_COLS
+float16, ...), tensor subclasses and other __torch_function__ objects (torch dispatches
+them), empty tensors, a 0-d softmax input, rows wider than ops.norms.MAX_GRAD_COLS
 (65536) when the weight or bias requires grad, and a backward that must itself be
 differentiable (create_graph=True: the gradients are recomputed with torch's operators so
 that autograd can differentiate them again). Shapes that do not match (normalized_shape vs
@@ -59,7 +60,10 @@ F = torch.nn.functional
 
 def _servable(*tensors) -> bool:
     """Whether the TPP path takes these tensors (None entries ignored): f32 / bf16 on the CPU
-    or a CUDA device (ops.norms runs its nests there; a mix of devices is its ArgumentError)."""
+    or a CUDA device (ops.norms runs its nests there; a mix of devices is its ArgumentError);
+    tensor subclasses and other __torch_function__ objects are torch's to dispatch."""
+    if torch.overrides.has_torch_function(tensors):
+        return False
     for t in tensors:
         if t is None:
             continue
