@@ -169,7 +169,15 @@ def _geometry(x_shape, w_shape, dtype, stride, padding, dilation, groups) -> Geo
     if geo.p < 1 or geo.q < 1:
         raise ArgumentError(f"the kernel {r}x{s} (dilation {dilation}) is larger than the "
                             f"padded input {geo.hp}x{geo.wp}")
+    frame = x_shape[0] * max(c * geo.hp * geo.wp, k * geo.p * geo.q) * dtype.itemsize
+    if frame > MAX_FRAME_BYTES:     # (exact ints: a padding of 10**9 is 10**18 pixels)
+        raise ArgumentError(f"padding {pad} (top, bottom, left, right) makes a padded input "
+                            f"of {geo.hp}x{geo.wp} pixels or an output of {geo.p}x{geo.q}: "
+                            f"{frame} bytes, more than a host can hold")
     return geo
+
+
+MAX_FRAME_BYTES = 1 << 47   # 128 TiB: no allocation of a padded input or output beyond it
 
 
 # ------------------------------------------------------------------ layout objects

@@ -228,6 +228,8 @@ def test_bad_input():
         lambda: ops.conv2d(x, np.zeros((8, 4, 7, 7), np.float32)),       # kernel too large
         lambda: ops.conv2d(x, w, np.zeros(7, np.float32)),               # bias shape
         lambda: ops.conv2d(x, w, activation="nope"),
+        lambda: ops.conv2d(x, w, padding=10 ** 9),                       # no host holds it
+        lambda: ops.conv2d(torch.from_numpy(x), torch.from_numpy(w), padding=(0, 10 ** 12)),
         lambda: ops.conv2d(x, w, strides=2),                             # unknown keyword
         lambda: ops.conv2d_backward(np.zeros((1, 8, 4, 4), np.float32), x, w),
         lambda: ops.conv2d_backward(np.zeros((1, 8, 3, 3), np.float32), x, w, need=True),
