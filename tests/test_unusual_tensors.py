@@ -1,7 +1,12 @@
-"""torch tensors with the negative bit set (torch's lazy negation: x.conj().imag of a complex
-tensor, torch._neg_view) hold -x in memory. The kernels and nests, which read memory, reject
-them (ArgumentError naming .resolve_neg()); the operators and drop-ins copy them resolved and
-compute on the values torch means; on the first call and the cached paths alike."""
+"""torch tensors that are not plain memory to read as it is.
+
+Tensors with the negative bit set (torch's lazy negation: x.conj().imag of a complex tensor,
+torch._neg_view) hold -x in memory. The kernels and nests, which read memory, reject them
+(ArgumentError naming .resolve_neg()); the operators and drop-ins copy them resolved and
+compute on the values torch means; on the first call and the cached paths alike.
+
+Tensor subclasses (any __torch_function__ object) are torch's to dispatch: the drop-ins hand
+them to torch's own operators."""
 from __future__ import annotations
 
 import pytest
@@ -90,3 +95,36 @@ def test_dropins_forward_and_backward():
         with torch.no_grad():
             x = torch.randn(*shape)
             torch.testing.assert_close(ours(_neg(x)), ref(-x), rtol=1e-4, atol=1e-5)
+
+
+class _Subclass(torch.Tensor):
+    """A plain torch.Tensor subclass: torch dispatches it through __torch_function__."""
+
+
+def test_tensor_subclasses_are_torchs_to_dispatch():
+    """A tensor subclass (any __torch_function__ object) goes to torch's own operator, as
+    torch.nn.functional would dispatch it: torch's result, of the subclass (it crashed on an
+    AttributeError, or came back a numpy array)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 7)
+    xs = x.as_subclass(_Subclass)
+    lin, ln, rms = ot.Linear(7, 3), ot.LayerNorm(7), ot.RMSNorm(7)
+    conv = ot.Conv2d(2, 3, 3)
+    img = torch.randn(1, 2, 5, 5)
+    cases = [
+        (lambda t: ot.linear(t, lin.weight, lin.bias), lambda t: F.linear(t, lin.weight, lin.bias)),
+        (lin, lambda t: F.linear(t, lin.weight, lin.bias)),
+        (lambda t: lin(t.view(2, 2, 7)), lambda t: F.linear(t.view(2, 2, 7), lin.weight, lin.bias)),
+        (ln, lambda t: F.layer_norm(t, (7,), ln.weight, ln.bias)),
+        (lambda t: ot.layer_norm(t, (7,)), lambda t: F.layer_norm(t, (7,))),
+        (rms, lambda t: F.rms_norm(t, (7,), rms.weight)),
+        (lambda t: ot.softmax(t, -1), lambda t: F.softmax(t, -1)),
+    ]
+    for ours, ref in cases:
+        y = ours(xs)
+        assert type(y) is _Subclass
+        torch.testing.assert_close(y.as_subclass(torch.Tensor), ref(x), rtol=1e-4, atol=1e-5)
+    y = conv(img.as_subclass(_Subclass))
+    assert type(y) is _Subclass
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), F.conv2d(img, conv.weight, conv.bias),
+                               rtol=1e-4, atol=1e-5)
