@@ -6,9 +6,8 @@ A signature is the operator, the type, shape and dtype of x and of each other ar
 (None included) and the scalar arguments (type and value; Python floats, ints and bools
 only). Only plain arrays have one: C-contiguous numpy arrays, or contiguous CPU torch tensors
 (without torch's negative bit) of a type ops._host knows (torch.Tensor, torch.nn.Parameter),
-all of x's kind. The checked
-call (ops.norms._run with its `plan` key) records the nest it ran, the row count, its
-constant scalar arrays (eps) and the dtypes of its summed outputs. The nest's own call still
+all of x's kind. The checked call (ops.norms._run with its `plan` key) records the nest it
+ran, the row count, its constant scalar arrays (eps) and the dtypes of its summed outputs. The nest's own call still
 checks every array (dtype, contiguity, shape, overlap), so an array that slipped past the
 signature gets the nest's ArgumentError, never a wrong read.
 
