@@ -361,18 +361,18 @@ def zeros(shape, dtype: _dt.DType, like):
     return np.zeros(tuple(shape), dtype.numpy)
 
 
-_CONSTANTS = LRU(64, "device_constants")   # (Device, DType, torch?, value) -> 1-element array
+_CONSTANTS = LRU(64, "device_constants")   # (Device, DType, torch?, value, n) -> n-element array
 
 
-def constant(value: float, dtype: _dt.DType, like):
-    """A read-only-by-convention array of one element `value` on like's device (copied there
-    once per device, dtype and kind, then reused)."""
+def constant(value: float, dtype: _dt.DType, like, n: int = 1):
+    """A read-only-by-convention array of n elements `value` where `like` lives (made there
+    once per device, dtype, kind and n, then reused)."""
     where, torch_kind = device_of(like), arrays.is_torch(like)
-    key = (where, dtype, torch_kind, value)
+    key = (where, dtype, torch_kind, value, n)
     arr = _CONSTANTS.get(key)
     if arr is None:
         arr = _CONSTANTS[key] = registry.for_device(where).to_device(
-            np.full(1, value, dtype.numpy), where, torch_kind)
+            np.full(n, value, dtype.numpy), where, torch_kind)
     return arr
 
 
@@ -440,14 +440,26 @@ def rows(x, k: int, name: str):
     return x.reshape(m, k), lead
 
 
-def weight_key(w) -> tuple:
+def weight_key(w, fresh: bool = False) -> tuple:
     """What identifies a torch weight's values to a packed copy of it: storage address, version
     counter (in-place writes bump it), dtype, shape and strides. An inference tensor (made
     under torch.inference_mode) has no version counter: its key is new at every call, so its
-    packed copy is rebuilt each time rather than trusted after a write it cannot see."""
-    if w.is_inference():
+    packed copy is rebuilt each time rather than trusted after a write it cannot see. So is
+    the key of a weight read with fresh=True: a training call's (training_call)."""
+    if fresh or w.is_inference():
         return (w.data_ptr(), object(), w.dtype, w.shape, w.stride())
     return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+
+
+def training_call(module) -> bool:
+    """Whether a call of module is a training step (module.training, grad mode on). Its
+    weights' packed copies are made afresh (weight_key(w, fresh=True)): a training loop may
+    update the weights without bumping their version counters (p.data.sub_(lr * p.grad), as
+    torch's own tutorials do), and a copy kept from one step would be stale at the next. A
+    copy made then also never serves a later call, so an evaluation after training packs
+    again."""
+    import torch
+    return module.training and torch.is_grad_enabled()
 
 
 def packed_copy(module, name, sources, make):
@@ -460,8 +472,9 @@ def packed_copy(module, name, sources, make):
     cache = module.__dict__.get("_tpp_packed")
     if cache is None:
         cache = module.__dict__["_tpp_packed"] = {}
-    key = tuple(None if t is None else weight_key(t) if t.is_cpu else (t.device, weight_key(t))
-                for t in sources)
+    fresh = training_call(module)
+    key = tuple(None if t is None else weight_key(t, fresh) if t.is_cpu else
+                (t.device, weight_key(t, fresh)) for t in sources)
     got = cache.get(name)
     if got is not None and got[0] == key:
         return got[1]

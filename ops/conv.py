@@ -72,6 +72,10 @@ no conversion, no packing; a forward given packed= only for images of at least 9
 ones taking the blocked data gradient: see conv_pointwise.eligible). Other packed= / xb= are
 checked, then unused.
 
+Modules: the forward nest and the step running it (ops.conv_forward), a Conv2d module's
+remembered forward (ops.conv_memo), layouts and packing (ops.conv_layout), the weight
+gradient (ops.conv_dw), 1x1 GEMMs (ops.conv_pointwise), the folded taps (ops.conv_taps).
+
 Compilation: one nest per layer shape (channels, kernel, stride, padding, dilation, groups,
 spatial size, dtype, bias, activation); the batch size N is a runtime size (tpp.size), so a
 new batch size compiles nothing. The spatial size is fixed per nest: the NCHW <-> blocked
@@ -79,156 +83,33 @@ transposes have leading dimensions H*W, and a kernel's leading dimensions are co
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-import tpp
-from tpp.runtime import arrays, registry
+from tpp.runtime import arrays
 from tpp.core import checks
 from tpp.core import dtypes as _dt
 from tpp.core.brgemm_spec import ACTIVATIONS
 from tpp.core.errors import ArgumentError
-from tpp.runtime.lru import LRU, also_clear
+from tpp.runtime.lru import also_clear
 
 from . import _host
 from . import conv_pointwise as _pointwise
 from . import conv_dw as _dwv
 from . import conv_strided as _strided
 from . import conv_taps as _taps
+from . import conv_memo as _memo
+from .conv_forward import _ForwardStep, _conv_nest, _run_conv, _staged
 from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weight, ...)
-    BLOCK, PIXELS, _SERIAL_FLOPS, Geometry, block, _pair, _padding, geometry,
-    BlockedActivation, BlockedWeight, _threads, _block_cases, _to_blocked_nest,
-    _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest, _vector_nest, to_blocked,
-    from_blocked, pack_weight, pack_transposed, transpose_packed, _pad_bias, _size,
-    nchw_output, write_nchw, _dw_out_nest, _check_xb
+    Geometry, _padding, geometry, BlockedActivation, BlockedWeight, _threads,
+    _to_blocked_nest, _from_blocked_nest, _weight_rows_nest, _weight_blocks_nest,
+    _vector_nest, to_blocked, to_blocked_step, from_blocked, pack_weight, pack_transposed,
+    transpose_packed, _size, _check_xb
 )
-from .conv_chunks import chunk_cases, weight_chunks
-
-
-# The forward writes an NCHW output from its nest, each tile transposed while in cache, instead
-# of leaving the blocked output to from_blocked (batch 4, 2 Zen 4 cores, paired: the stem
-# f32/bf16 5-6% faster, the 3x3 and 1x1 layers 0-4%)
-NCHW_IN_NEST = True
-
-
-# ------------------------------------------------------------------ the convolution nest
-@functools.lru_cache(maxsize=256)
-def _conv_nest(groups, cb, kb, bc, bk, hp, wp, r, s, sh, sw, dh, dw, p, q, dtype,
-               has_bias, activation, frame=(0, 0, 0, 0), fold=True, kg=None, chunked=True):
-    """yb (N, groups*kb, p, q, bk) = act(conv(xb (N, groups*cb, hp, wp, bc), wb) + bias),
-    written inside a frame (top, bottom, left, right) of yb that the nest leaves alone; with
-    kg (output channels per group), each finished tile also goes to the NCHW y (N,
-    groups*kg, p*q) (conv_layout.write_nchw). chunked: a large weight slice is summed in
-    chunks (ops.conv_chunks; for a CPU's L2 cache: False for device data)."""
-    n = tpp.size("N")
-    vnni = dtype == _dt.BF16
-    bq = min(q, PIXELS)
-    full, tail = divmod(q, bq)
-    # fewer input blocks than kernel columns: per (input block, kernel row) a BRGEMM whose
-    # batch is the row's taps (A and B strides uniform in j); else per tap, over the blocks
-    fold = fold and 1 < s and cb < s
-    # a large weight slice is summed over in chunks of input blocks, each chunk's pass over
-    # every tile finished before the next (ops.conv_chunks)
-    chunks = weight_chunks(cb, r * s * bc * bk * dtype.itemsize) if chunked and not fold else 1
-    # the pixel-block loop is parallel too where there is one row (a flattened 1x1 layer)
-    order = ("ABCDE" if p == 1 else "ABCDe") if chunks == 1 else \
-        ("fABCDE" if p == 1 else "fABCDe")
-    nest = tpp.LoopNest(order, a=n, b=groups, c=kb, d=p, e=full + (tail > 0),
-                        **({"f": chunks} if chunks > 1 else {}))
-    a, g, k, c, d = nest.vars[:5]
-    f = nest.vars[5] if chunks > 1 else 0
-    cs = cb // chunks
-    b = g * kb + k
-    xb = nest.tensor("xb", (n, groups * cb, hp, wp, bc), dtype)
-    wshape = (groups * kb, cb, r, s) + ((bc // 2, 2 * bk) if vnni else (bc, bk))
-    wb = nest.tensor("wb", wshape, dtype)
-    acc_dt = _dt.F32
-    bias_t = nest.tensor("bias", (groups * kb * bk,), acc_dt) if has_bias else None
-    ft, fb, fl, fr = frame
-    yb = nest.tensor("yb", (n, groups * kb, p + ft + fb, q + fl + fr, bk), dtype)
-    staged = _staged(dtype, has_bias, r, s)
-    acc = nest.tensor("acc", (n, groups * kb, p, q, bk), acc_dt) if staged else yb
-    y = None if kg is None else nchw_output(nest, kg, groups, p, q, dtype)
-    ah, aw = (0, 0) if staged else (ft, fl)
-    cases = ([(bq, (d < full,) if tail else ())] if full else []) + \
-        ([(tail, (d == full,))] if tail else [])
-    taps = [(u, i, 0) for u in range(cb) for i in range(r)] if fold else \
-        [(0, i, j) for i in range(r) for j in range(s)]
-    batch = (s, dw * bc, bc * bk) if fold else (cs, hp * wp * bc, r * s * bc * bk)
-    x_block = g * cb + f * cs
-    for pixels, when in cases:
-        for fwhen, first_chunk, last_chunk in chunk_cases(f, chunks):
-            for t, (u, i, j) in enumerate(taps):
-                last = t == len(taps) - 1 and last_chunk
-                spec = tpp.make_brgemm(
-                    pixels, bk, bc, lda=sw * bc, ldb=2 * bk if vnni else bk, ldc=bk,
-                    dtype_a=dtype, dtype_b=dtype, dtype_c=acc_dt if staged else dtype,
-                    beta=0 if (t == 0 and first_chunk) else 1,
-                    vnni_b=vnni, bias="row" if (has_bias and last) else None,
-                    activation=activation if last else None)
-                nest.call(spec, xb[a, x_block + u, c * sh + i * dh, d * bq * sw + j * dw],
-                          wb[b, f * cs + u, i, j], acc[a, b, ah + c, aw + d * bq],
-                          bias=bias_t[b * bk] if (has_bias and last) else None,
-                          count=batch[0], stride_a=batch[1], stride_b=batch[2],
-                          when=when + fwhen)
-        lwhen = when + chunk_cases(f, chunks)[-1][0]     # the tile is finished
-        if staged:
-            spec = tpp.make_unary("identity", pixels, bk, dtype_in=acc_dt, dtype_out=dtype)
-            nest.call(spec, acc[a, b, c, d * bq], yb[a, b, ft + c, fl + d * bq], when=lwhen)
-        if y is not None:
-            write_nchw(nest, y, yb[a, b, ft + c, fl + d * bq], y[a, g * kg + k * bk,
-                       c * q + d * bq], pixels, k, kb, kg, bk, lwhen)
-    return nest.compile()
-
-
-def _staged(dtype, has_bias, r, s) -> bool:
-    """Whether _conv_nest sums a bf16 tile in an f32 accumulator (acc) and rounds it once: when
-    several BRGEMM calls add to it (taps) or an f32 bias row joins it. A 1x1 bias-free tile is
-    one call, rounded straight from the BRGEMM."""
-    return dtype == _dt.BF16 and (r * s > 1 or has_bias)
-
-
-def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
-    """make(hp, wp, p, q) called on args (xb, wb[, bias], yb[, acc]). A 1x1 stride-1 layer
-    on whole images (no padding, no output frame) runs as one row of hp*wp pixels: its pixel
-    blocks span image rows (full BRGEMMs, a parallel pixel loop)."""
-    if (r, s, sh, sw, hp, wp, tuple(frame)) == (1, 1, 1, 1, p, q, (0, 0, 0, 0)) and p > 1:
-        args = [a if len(a.shape) != 5 else
-                _host.reshape(a, (a.shape[0], a.shape[1], 1, p * q, a.shape[4]))
-                for a in args]
-        hp, wp, p, q = 1, p * q, 1, p * q
-    return make(hp, wp, p, q), args
 
 
 for _nest_cache in (_to_blocked_nest, _from_blocked_nest, _weight_rows_nest,
-                    _weight_blocks_nest, _vector_nest, _conv_nest, _dw_out_nest):
+                    _weight_blocks_nest, _vector_nest, _conv_nest):
     also_clear(_nest_cache.cache_clear)     # tpp.clear_caches() empties them too
-
-
-@functools.lru_cache(maxsize=None)
-def _ones(n, dtype):
-    ones = _host.zeros((n,), dtype, None)
-    ones[:] = 1
-    ones.flags.writeable = False
-    return ones
-
-
-_DEVICE_ONES = LRU(16, "device_conv_ones")  # (Device, n, DType, torch?) -> n ones there
-
-
-def _ones_like(n, dtype, like):
-    """n ones of dtype where `like` lives (the host's cached array; on a device a copy made
-    there once per device, dtype and kind, then reused, like _host.constant)."""
-    if not _host.on_device(like):
-        return _ones(n, dtype)
-    where, torch_kind = _host.device_of(like), arrays.is_torch(like)
-    key = (where, n, dtype, torch_kind)
-    ones = _DEVICE_ONES.get(key)
-    if ones is None:
-        ones = _DEVICE_ONES[key] = registry.for_device(where).to_device(
-            _ones(n, dtype), where, torch_kind)
-    return ones
 
 
 # ------------------------------------------------------------------ checks
@@ -279,11 +160,19 @@ def conv2d(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
 
 
 def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, packed,
-            pack=None):
+            pack=None, memo=None):
     """(y, xb, wb): conv2d's output, the BlockedActivation of x and the packed weight it read
     (a backward reuses them; both None on ops.conv_pointwise's GEMMs). pack: instead of
     packed, a function returning the packed weight, called only where the blocked nest runs
-    (Conv2d's cache: a layer whose forward is GEMMs is never packed)."""
+    (Conv2d's cache: a layer whose forward is GEMMs is never packed). memo: a caller's
+    conv_memo.ForwardMemo, which a call of the signature it remembers runs straight from."""
+    key = None
+    if memo is not None:
+        key = _memo.signature(x, weight, bias, (stride, padding, dilation, groups), activation,
+                              packed is not None or pack is not None)
+        run = memo.lookup(key)
+        if run is not None:
+            return run(x, weight, bias, packed, pack)
     x, weight, bias = _inputs(x, weight, bias)
     if activation not in ACTIVATIONS:
         raise ArgumentError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -295,12 +184,41 @@ def _conv2d(x, weight, bias, stride, padding, dilation, groups, activation, pack
     # GEMMs (packed unused), but a packed weight is used for images that fill the GEMM's
     # vectors badly (eligible): without one, packing costs more than the blocked forward saves
     if _pointwise_layer(geo, x, weight, bias, forward=packed is not None or pack is not None):
-        return _pointwise.forward(x, weight, bias, activation, geo), None, None
-    if pack is not None:
-        packed = _check_packed(pack(), weight, geo, False)
-    wb = packed or pack_weight(weight, geo.groups, dt)
-    xb = to_blocked(x, geo)
-    return _forward(xb.data, wb.data, bias, geo, activation, x), xb, wb
+        run = _PointwiseRun(geo, activation)
+    else:
+        n = x.shape[0]
+        run = _BlockedRun(geo, to_blocked_step(n, geo), _ForwardStep(
+            n, geo, bias is not None, activation, None, _on_host(x)))
+    if memo is not None:
+        memo.remember(key, run)
+    return run(x, weight, bias, packed, pack)
+
+
+class _PointwiseRun:
+    """_conv2d's forward on ops.conv_pointwise's GEMMs, for one layer and activation."""
+    __slots__ = ("geo", "activation")
+
+    def __init__(self, geo, activation):
+        self.geo, self.activation = geo, activation
+
+    def __call__(self, x, weight, bias, packed, pack):
+        _check_packed(packed, weight, self.geo, False)      # checked, then unused
+        return _pointwise.forward(x, weight, bias, self.activation, self.geo), None, None
+
+
+class _BlockedRun:
+    """_conv2d's blocked forward: x converted (conv_layout.ToBlocked), the weight packed (or
+    the packed one checked), the forward nest run (conv_forward._ForwardStep)."""
+    __slots__ = ("geo", "to_blocked", "forward")
+
+    def __init__(self, geo, to_blocked_, forward):
+        self.geo, self.to_blocked, self.forward = geo, to_blocked_, forward
+
+    def __call__(self, x, weight, bias, packed, pack):
+        packed = _check_packed(pack() if pack is not None else packed, weight, self.geo, False)
+        wb = packed or pack_weight(weight, self.geo.groups, self.geo.dtype)
+        xb = self.to_blocked(x)
+        return self.forward(xb.data, wb.data, bias, x), xb, wb
 
 
 def _pointwise_layer(geo, *arrays_, forward=False, data_grad=False) -> bool:
@@ -345,50 +263,8 @@ def _check_packed(packed, weight, geo, transposed):
 def _forward(xb, wb, bias, geo, activation, like, frame=None):
     """y (N, K, P, Q) of like's kind; with frame (top, bottom, left, right), the blocked
     output (N, G*Kb, P + top + bottom, Q + left + right, bk) with a zero frame instead."""
-    n = xb.shape[0]
-    bc, bk = geo.bc, geo.bk
-    cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
-    p, q = geo.p, geo.q
-    ft, fb, fl, fr = frame or (0, 0, 0, 0)
-    yshape = (n, geo.groups * kb, p + ft + fb, q + fl + fr, bk)
-    if frame is not None:
-        y = yb = _host.zeros(yshape, geo.dtype, like)
-    else:
-        y = _host.empty((n, geo.k, p, q), geo.dtype, like)
-        yb = _host.empty(yshape, geo.dtype, like)
-    if n == 0:
-        return y
-    args = [xb, wb]
-    if bias is not None:
-        args.append(_pad_bias(bias, geo.groups, geo.kg, bk, like))
-    args.append(yb)
-    taps = _taps.eligible(cb, bc, geo.s, geo.dilation[1]) and _on_host(like)    # the stem
-    # bf16 tiles summed over several BRGEMM calls go through an f32 accumulator (the taps
-    # nest's one call per tile only with a bias, see conv_taps.conv_nest)
-    if (_taps.staged_tiles(geo.dtype, bias is not None) if taps else
-            _staged(geo.dtype, bias is not None, geo.r, geo.s)):
-        args.append(_host.empty((n, geo.groups * kb, p, q, bk), _dt.F32, like))
-    fr = tuple(frame or (0, 0, 0, 0))
-    # an NCHW output is written by the nest itself, tile by tile (conv_layout.write_nchw)
-    kg = None if frame is not None or not NCHW_IN_NEST else geo.kg
-    if taps:
-        args[0], args[1], depth = _taps.operands(xb, wb, geo, q)
-        nest = _taps.conv_nest(geo.groups, kb, bc, bk, geo.hp, geo.r, geo.s, geo.stride[0],
-                               geo.dilation[0], p, q, geo.dtype, bias is not None,
-                               activation, fr, kg, depth)
-    else:
-        nest, args = _run_conv(
-            args, geo.hp, geo.wp, geo.r, geo.s, geo.stride[0], geo.stride[1], p, q, fr,
-            lambda hp, wp, p_, q_: _conv_nest(
-                geo.groups, cb, kb, bc, bk, hp, wp, geo.r, geo.s, geo.stride[0],
-                geo.stride[1], geo.dilation[0], geo.dilation[1], p_, q_, geo.dtype,
-                bias is not None, activation, fr, kg=kg, chunked=_on_host(like)))
-    if kg is not None:
-        args.append(_host.reshape(y, (n, geo.k, p * q)))
-    nest(*args, threads=_threads(geo.flops(n)))
-    if frame is None and kg is None:
-        from_blocked(yb, geo.k, geo.groups, bk, p, q, y)
-    return y
+    step = _ForwardStep(xb.shape[0], geo, bias is not None, activation, frame, _on_host(like))
+    return step(xb, wb, bias, like)
 
 
 # ------------------------------------------------------------------ backward
@@ -466,7 +342,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
                              geo.p, geo.q, dt)(xb, dyb0, dwt, threads=_threads(geo.flops(n)))
     if need_dw and dw is None:
         dw = _host.empty(tuple(weight.shape), dt, x)
-        _dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
+        _dwv.dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
             *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +
               ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])),
             threads=_threads(64 * _size(dwt)))
@@ -479,7 +355,7 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         dbp = _host.zeros((kbt * bk,), _dt.F32, x)
         pq = geo.p * geo.q
         if n:
-            _dwv.bias_nest(kbt, bk, pq, dt)(_ones_like(pq, dt, x),
+            _dwv.bias_nest(kbt, bk, pq, dt)(_host.constant(1.0, dt, x, pq),
                                             _host.reshape(dyb0, (n, kbt, pq, bk)), dbp,
                                             threads=_threads(2.0 * _size(dy)))
         db = _host.empty((geo.k,), dt, x)

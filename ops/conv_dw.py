@@ -185,7 +185,25 @@ def _out_nest(groups, kg, cg, kgp, cgp, rs, dtype):
     return nest.compile()
 
 
-for _cache in (_xt_nest, _dyv_nest, _dw_nest, _round_nest, _out_nest):
+@functools.lru_cache(maxsize=256)
+def dw_out_nest(groups, kg, cg, kgp, cgp, rs, dtype):
+    """dw (groups*kg, cg, rs) from dwt (groups, kgp, rs, cgp) f32 (rounded for bf16): the
+    output of ops.conv's blocked weight-gradient nest (brgemm_nest)."""
+    nest = tpp.LoopNest("AB", a=groups, b=kg)
+    a, b = nest.vars
+    dwt = nest.tensor("dwt", (groups, kgp, rs, cgp), _dt.F32)
+    dw = nest.tensor("dw", (groups * kg, cg, rs), dtype)
+    src = dwt
+    if dtype != _dt.F32:
+        src = nest.tensor("tmp", (groups, kgp, rs, cgp), dtype)
+        nest.call(tpp.make_unary("identity", rs, cgp, dtype_in=_dt.F32, dtype_out=dtype),
+                  dwt[a, b], src[a, b])
+    spec = tpp.make_unary("transpose", rs, cg, ldi=cgp, ldo=rs, dtype_in=dtype)
+    nest.call(spec, src[a, b], dw[a * kg + b])
+    return nest.compile()
+
+
+for _cache in (_xt_nest, _dyv_nest, _dw_nest, _round_nest, _out_nest, dw_out_nest):
     also_clear(_cache.cache_clear)
 
 

@@ -402,23 +402,6 @@ also_clear(_pointwise_t_nest.cache_clear)
 
 
 @functools.lru_cache(maxsize=256)
-def _dw_out_nest(groups, kg, cg, kgp, cgp, rs, dtype):
-    """dw (groups*kg, cg, rs) from dwt (groups, kgp, rs, cgp) f32 (rounded for bf16)."""
-    nest = tpp.LoopNest("AB", a=groups, b=kg)
-    a, b = nest.vars
-    dwt = nest.tensor("dwt", (groups, kgp, rs, cgp), _dt.F32)
-    dw = nest.tensor("dw", (groups * kg, cg, rs), dtype)
-    src = dwt
-    if dtype != _dt.F32:
-        src = nest.tensor("tmp", (groups, kgp, rs, cgp), dtype)
-        nest.call(tpp.make_unary("identity", rs, cgp, dtype_in=_dt.F32, dtype_out=dtype),
-                  dwt[a, b], src[a, b])
-    spec = tpp.make_unary("transpose", rs, cg, ldi=cgp, ldo=rs, dtype_in=dtype)
-    nest.call(spec, src[a, b], dw[a * kg + b])
-    return nest.compile()
-
-
-@functools.lru_cache(maxsize=256)
 def _vector_nest(groups, length, lengthp, dtype_in, dtype_out, pad):
     """pad: v (groups*length,) -> vp (groups*lengthp,) (zeroed by the caller), converting;
     else the inverse (vp -> v)."""
@@ -435,11 +418,24 @@ def _vector_nest(groups, length, lengthp, dtype_in, dtype_out, pad):
 
 
 # ------------------------------------------------------------------ public conversions
-def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> BlockedActivation:
-    """x (N, C, H, W) as a BlockedActivation for geo (its padding as the frame). `scatter`
-    spaces the pixels (the transposed convolution's zero insertion); frame (hb, wb) and origin
-    (oh, ow) override the padded frame."""
-    n = x.shape[0]
+class ToBlocked:
+    """to_blocked's decisions for one batch size and layout (to_blocked_step), run on any x of
+    that shape: a call allocates the BlockedActivation and runs the conversion nest."""
+    __slots__ = ("shape", "dtype", "zeroed", "nest", "threads", "fields")
+
+    def __init__(self, shape, dtype, zeroed, nest, threads, fields):
+        self.shape, self.dtype, self.zeroed, self.nest = shape, dtype, zeroed, nest
+        self.threads, self.fields = threads, fields
+
+    def __call__(self, x) -> BlockedActivation:
+        xb = (_host.zeros if self.zeroed else _host.empty)(self.shape, self.dtype, x)
+        if self.nest is not None:
+            self.nest(x, xb, threads=self.threads)
+        return BlockedActivation(xb, *self.fields)
+
+
+def to_blocked_step(n, geo: Geometry, scatter=(1, 1), frame=None, origin=None) -> ToBlocked:
+    """The ToBlocked of to_blocked(x, geo, ...) for x of batch size n."""
     bc = geo.bc
     nb = -(-geo.cg // bc)
     hb, wb = frame or (geo.hp, geo.wp)
@@ -448,13 +444,19 @@ def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> 
     # alone, else (padded channels, scattered pixels) all of xb first
     dense = scatter == (1, 1) and nb * bc == geo.cg
     border = dense and (hb, wb) != (geo.h, geo.w)
-    xb = (_host.empty if dense else _host.zeros)((n, geo.groups * nb, hb, wb, bc), geo.dtype, x)
-    if n:
-        nest = _to_blocked_nest(geo.groups, geo.cg, geo.h, geo.w, bc, hb, wb, oh, ow,
-                                scatter[0], scatter[1], geo.dtype, border)
-        nest(x, xb, threads=_threads(64 * _size(xb)))
-    return BlockedActivation(xb, geo.c, geo.h, geo.w, geo.groups, bc,
-                             (oh, hb - oh - geo.h, ow, wb - ow - geo.w))
+    shape = (n, geo.groups * nb, hb, wb, bc)
+    nest = _to_blocked_nest(geo.groups, geo.cg, geo.h, geo.w, bc, hb, wb, oh, ow, scatter[0],
+                            scatter[1], geo.dtype, border) if n else None
+    return ToBlocked(shape, geo.dtype, not dense, nest, _threads(64 * math.prod(shape)),
+                     (geo.c, geo.h, geo.w, geo.groups, bc,
+                      (oh, hb - oh - geo.h, ow, wb - ow - geo.w)))
+
+
+def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> BlockedActivation:
+    """x (N, C, H, W) as a BlockedActivation for geo (its padding as the frame). `scatter`
+    spaces the pixels (the transposed convolution's zero insertion); frame (hb, wb) and origin
+    (oh, ow) override the padded frame."""
+    return to_blocked_step(x.shape[0], geo, scatter, frame, origin)(x)
 
 
 def from_blocked(yb, channels, groups, bk, p, q, out, origin=(0, 0)):

@@ -31,8 +31,10 @@ Linear has torch.nn.Linear's parameters (`weight` (out, in), `bias` (out,)), ini
 and state_dict keys, so state dicts load both ways. It packs its weight into the GEMM layout
 once and reuses the packed copy while the weight's storage and version counter are unchanged
 (in-place updates by optimizers, load_state_dict or `with torch.no_grad(): w.copy_(...)` bump
-the version). Writes through `weight.data` bypass the version counter: call
-`layer.invalidate_packed()` after them.
+the version), except in training calls (module.training with grad mode on), which pack
+afresh: a training loop may update weights through `p.data` (ops._host.training_call). Writes
+through `weight.data` outside training bypass the version counter: call
+`layer.invalidate_packed()` after them (ops.torch.invalidate_packed(model) for a model).
 
 Linear's common call (a 2-D CPU input of the weight's dtype, the weight packed before) takes a
 thin path: its checks are the packed weight's key and a few attribute reads, and it calls the
@@ -315,7 +317,8 @@ class Linear(torch.nn.Module):
         weight off the CPU names its device too, and never equals a CPU weight's key (so
         _fast_packed, which takes CPU calls only, never matches it): a parameter moved by
         module.to(...) is packed again, on its new device."""
-        key = _weight_key(w) if w.is_cpu else (w.device, _weight_key(w))
+        fresh = _host.training_call(self)
+        key = _weight_key(w, fresh) if w.is_cpu else (w.device, _weight_key(w, fresh))
         cache = self._packed_cache
         if cache is not None and cache[0] == key:
             return cache[2].packed
@@ -358,7 +361,9 @@ class Linear(torch.nn.Module):
         weight = params["weight"] if "weight" in params else self.weight
         bias = params["bias"] if "bias" in params else self.bias
         activation = self.activation
-        packed = self._fast_packed(x, weight, bias, activation)
+        # a training call packs afresh (_packed_of), so it never takes the thin path
+        packed = None if _host.training_call(self) else \
+            self._fast_packed(x, weight, bias, activation)
         if packed is None:
             _check(x, weight, bias, activation)     # before packing the weight
             return _linear(x, weight, bias, activation, self._packed_of)
@@ -423,6 +428,6 @@ from ops.torch_attention import (AttentionFunction, MultiheadAttention,  # noqa:
 from ops.torch_norms import LayerNorm, RMSNorm, layer_norm, rms_norm, softmax  # noqa: E402
 from ops.torch_encoder import TransformerEncoderLayer  # noqa: E402
 from ops.torch_conv import Conv2d, conv2d  # noqa: E402
-from ops.torch_convert import optimize  # noqa: E402
+from ops.torch_convert import invalidate_packed, optimize  # noqa: E402
 
-__all__ += ["TransformerEncoderLayer", "optimize", "Conv2d", "conv2d"]
+__all__ += ["TransformerEncoderLayer", "optimize", "invalidate_packed", "Conv2d", "conv2d"]

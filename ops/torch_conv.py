@@ -35,11 +35,15 @@ from __future__ import annotations
 
 import torch
 
+from . import _host
 from . import conv as _c
+from .conv_memo import ForwardMemo
 from ._host import wants_grad as _wants_grad, weight_key as _weight_key
 
 __all__ = ["Conv2d", "conv2d", "Conv2dFunction"]
 
+# a remembered call's signature (ops.conv_memo) needs the tensor types known from the start
+_host.know_cpu_tensor_types(torch.Tensor, torch.nn.Parameter)
 _DTYPES = (torch.float32, torch.bfloat16)
 F = torch.nn.functional
 
@@ -59,10 +63,10 @@ def _servable(x, weight, bias) -> bool:
     return True
 
 
-def _key(w):
+def _key(w, fresh=False):
     """The key of a weight's packed copies: _weight_key, with the device for a weight off the
     CPU (a parameter moved by module.to(...) is packed again, on its new device)."""
-    return _weight_key(w) if w.is_cpu else (w.device, _weight_key(w))
+    return _weight_key(w, fresh) if w.is_cpu else (w.device, _weight_key(w, fresh))
 
 
 def _d(t):
@@ -79,27 +83,30 @@ class _Packs:
         self.key, self.src, self.forward, self.transposed = key, src, None, None
 
 
-def _forward(x, weight, bias, stride, padding, dilation, groups, packs):
+def _forward(x, weight, bias, stride, padding, dilation, groups, packs, memo=None):
     """(y, xb, wb, packs): ops.conv's forward of x (4-D) and what a backward reuses (see
     ops.conv._conv2d), packs None where the layer ran as GEMMs on the weight as it is (a 1x1
-    layer: nothing packed), else with its forward packed weight, made at its first use."""
+    layer: nothing packed), else with its forward packed weight, made at its first use.
+    memo: the module's ops.conv_memo.ForwardMemo (None: the functional form)."""
     def pack():
         if packs.forward is None:
             packs.forward = _c.pack_weight(weight.detach(), groups, _c._host.dtype_of(
                 weight, "weight"))
         return packs.forward
     y, xb, wb = _c._conv2d(x.detach(), weight.detach(), _d(bias), stride, padding, dilation,
-                           groups, None, None, None if packs is None else pack)
+                           groups, None, None, None if packs is None else pack, memo)
     return y, xb, wb, None if wb is None else packs
 
 
 class Conv2dFunction(torch.autograd.Function):
-    """Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups[, packs]), x
-    4-D; packs a _Packs of this weight (Conv2d's cache) or None (packed per call)."""
+    """Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups[, packs[,
+    memo]]), x 4-D; packs a _Packs of this weight (Conv2d's cache) or None (packed per call);
+    memo Conv2d's ForwardMemo or None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, packs=None):
-        y, xb, wb, packs = _forward(x, weight, bias, stride, padding, dilation, groups, packs)
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, packs=None, memo=None):
+        y, xb, wb, packs = _forward(x, weight, bias, stride, padding, dilation, groups, packs,
+                                    memo)
         ctx.save_for_backward(x, weight, bias)
         ctx.hyper = (stride, padding, dilation, groups)
         ctx.packs = packs
@@ -117,7 +124,7 @@ class Conv2dFunction(torch.autograd.Function):
         xb, wb, packs, ctx.xb, ctx.wb = ctx.xb, ctx.wb, ctx.packs, None, None
         if torch.is_grad_enabled():     # create_graph=True: differentiable torch ops
             return (*_torch_grads(x, weight, bias, ctx.hyper, need, dy),
-                    None, None, None, None, None)
+                    None, None, None, None, None, None)
         packed = None
         if need[0] and not _c.serves_pointwise(x, weight, *ctx.hyper, forward=False):
             cached = packs is not None and packs.key == _key(weight)
@@ -133,7 +140,7 @@ class Conv2dFunction(torch.autograd.Function):
             dilation=dilation, groups=groups,
             need=(need[0], need[1], bool(need[2]) and bias is not None), packed=packed,
             xb=xb)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _torch_grads(x, weight, bias, hyper, need, dy):
@@ -150,24 +157,28 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     return _conv2d(input, weight, bias, stride, padding, dilation, groups, None)
 
 
-def _conv2d(input, weight, bias, stride, padding, dilation, groups, packs):
+def _conv2d(input, weight, bias, stride, padding, dilation, groups, packs, memo=None):
     if not _servable(input, weight, bias):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
     squeeze = input.dim() == 3
     x = input.unsqueeze(0) if squeeze else input
     if _wants_grad(x, weight, bias):
-        y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups, packs)
+        y = Conv2dFunction.apply(x, weight, bias, stride, padding, dilation, groups, packs,
+                                 memo)
     else:   # nothing to differentiate: the forward without autograd.Function's cost
-        y = _forward(x, weight, bias, stride, padding, dilation, groups, packs)[0]
+        y = _forward(x, weight, bias, stride, padding, dilation, groups, packs, memo)[0]
     return y.squeeze(0) if squeeze else y
 
 
 class Conv2d(torch.nn.Conv2d):
     """torch.nn.Conv2d whose forward runs ops.conv (padding_mode "zeros"; others: torch).
     The weight is packed once and reused until it changes (its version counter: an in-place
-    update, e.g. an optimizer step, repacks at the next call; so does a new tensor)."""
+    update, e.g. an optimizer step, repacks at the next call; so does a new tensor). A call
+    of the same input shape, dtypes and hyper-parameters as the last one skips the checks
+    and per-shape decisions that call made (ops.conv_memo)."""
 
     _tpp_packs = None
+    _tpp_memo = None
 
     def forward(self, input):
         if self.padding_mode != "zeros":
@@ -175,10 +186,19 @@ class Conv2d(torch.nn.Conv2d):
         w = self.weight
         packs = None
         if (w.is_cpu or w.is_cuda) and w.dtype in _DTYPES and w.dim() == 4:
-            key = _key(w)
+            key = _key(w, _host.training_call(self))     # a training call packs afresh
             packs = self._tpp_packs
             if packs is None or packs.key != key:
                 # src shares the weight's storage: holding it keeps the address from reuse
                 packs = self._tpp_packs = _Packs(key, w.detach())
+        memo = self._tpp_memo
+        if memo is None:
+            memo = self._tpp_memo = ForwardMemo()
         return _conv2d(input, w, self.bias, self.stride, self.padding, self.dilation,
-                       self.groups, packs)
+                       self.groups, packs, memo)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_tpp_packs", None)   # derived data: never pickled or deep-copied
+        state.pop("_tpp_memo", None)
+        return state

@@ -23,8 +23,11 @@ are parametrized or lazy modules, whose classes differ). The new module is a new
 TPP class holding the same attributes: the SAME Parameter and buffer objects (not copies),
 the same children, hooks, training flag and state_dict hooks, so state_dict keys are
 unchanged and state dicts load both ways; an optimizer built on the old model's parameters
-updates the new one (ops.torch.Linear and TransformerEncoderLayer key their packed weights on
-each parameter's version counter, which optimizer steps bump). A module reachable under
+updates the new one (the converted modules key their packed weights on each parameter's
+version counter, which optimizer steps bump, and pack afresh in training calls, whatever
+updates the weights between steps: ops._host.training_call). Outside training, writes that
+bypass the version counter (through `p.data`, or a numpy view of a parameter) are not seen
+by the packed copies: call invalidate_packed(model) after them. A module reachable under
 several paths is converted once (the same new object everywhere); the root itself may be
 replaced, so always use the returned model.
 
@@ -310,3 +313,18 @@ register_converter("LayerNorm", _exact(torch.nn.LayerNorm), _convert_norm("Layer
 if hasattr(torch.nn, "RMSNorm"):
     register_converter("RMSNorm", _exact(torch.nn.RMSNorm), _convert_norm("RMSNorm"))
 register_converter("Conv2d", _exact(torch.nn.Conv2d), _convert_conv2d)
+
+
+def invalidate_packed(model: torch.nn.Module) -> None:
+    """Drop every packed weight copy the TPP modules in model keep (Linear's, Conv2d's, and
+    the ops._host.packed_copy caches of the attention, encoder and BERT blocks): the next
+    call packs the weights as they are now. Needed only after writes that bypass the
+    version counters (module docstring)."""
+    for m in model.modules():
+        d = m.__dict__
+        if "_packed_cache" in d:
+            d["_packed_cache"] = None
+        if d.get("_tpp_packs") is not None:
+            d["_tpp_packs"] = None
+        if d.get("_tpp_packed"):
+            d["_tpp_packed"] = {}

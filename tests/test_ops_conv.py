@@ -258,7 +258,8 @@ def test_blocked_chain():
 
 def test_module_weight_cache(monkeypatch):
     """Conv2d packs its weight once, repacks after an in-place update (version counter) or a
-    new parameter, and its gradients stay right across optimizer steps."""
+    new parameter, packs afresh in every training call (ops._host.training_call), and its
+    gradients stay right across optimizer steps."""
     from ops import conv
     torch.manual_seed(5)
     mine = tc.Conv2d(6, 8, 3, stride=2, padding=1)
@@ -271,8 +272,9 @@ def test_module_weight_cache(monkeypatch):
     monkeypatch.setattr(conv, "pack_transposed",
                         lambda *a, **k: calls.append(True) or real_t(*a, **k))
     x = torch.randn(2, 6, 9, 9)
-    for _ in range(3):
-        torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
     assert calls == [False]
     opt_m = torch.optim.SGD(mine.parameters(), lr=0.1)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -289,17 +291,17 @@ def test_module_weight_cache(monkeypatch):
         opt_r.step()
         opt_m.zero_grad()
         opt_r.zero_grad()
-    # one forward and one transposed pack per weight version (the first forward's version
-    # was reused by the first step; each optimizer step made a new one)
-    assert calls.count(True) == 3 and calls.count(False) == 3
+    # one forward and one transposed pack per training step
+    assert calls.count(True) == 3 and calls.count(False) == 4
     with torch.no_grad():
         mine.weight.mul_(2)
         ref.weight.mul_(2)
-    torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
-    mine.weight = torch.nn.Parameter(torch.randn(8, 6, 3, 3))
-    ref.weight = torch.nn.Parameter(mine.weight.detach().clone())
-    torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
-    assert calls.count(False) == 5
+        torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+        mine.weight = torch.nn.Parameter(torch.randn(8, 6, 3, 3))
+        ref.weight = torch.nn.Parameter(mine.weight.detach().clone())
+        torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine(x), ref(x), atol=1e-4, rtol=1e-4)
+    assert calls.count(False) == 6
     # a weight changed in place between forward and backward: torch's usual error
     y = mine(x.clone().requires_grad_())
     with torch.no_grad():

@@ -1,12 +1,12 @@
 """The forward nest with a kernel row's taps as the BRGEMM batch (fewer input blocks than
-kernel columns, ops.conv._conv_nest): bias and activation on the last kernel row, strides,
+kernel columns, ops.conv_forward._conv_nest): bias and activation on the last kernel row, strides,
 dilation, padded input blocks, against torch."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ops
-import ops.conv as conv
+import ops.conv_forward as conv_forward
 
 CASES = [   # n, c, k, h, w, (r, s), stride, padding, dilation
     (2, 96, 20, 7, 9, (3, 3), 1, 1, 1),         # two input blocks (one padded), 3 columns
@@ -36,12 +36,13 @@ def test_unfolded_matches_folded():
     x = torch.randn(1, 80, 6, 7)
     wt = torch.randn(8, 80, 3, 3)
     y = ops.conv2d(x, wt, padding=1)
-    orig = conv._conv_nest
-    conv._conv_nest = lambda *a, **kw: orig(*a, **kw, fold=False)
+    orig, unfolded = conv_forward._conv_nest, []
+    conv_forward._conv_nest = lambda *a, **kw: unfolded.append(1) or orig(*a, **kw, fold=False)
     try:
         y0 = ops.conv2d(x, wt, padding=1)
     finally:
-        conv._conv_nest = orig
+        conv_forward._conv_nest = orig
+    assert unfolded
     torch.testing.assert_close(y, y0, atol=1e-4, rtol=1e-5)
 
 

@@ -468,10 +468,11 @@ def _fails(*args, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_linear_common_call_takes_the_thin_path(bias, dtype, monkeypatch):
-    """Once a layer has packed its weight, a 2-D CPU input of its dtype skips _check and
-    _linear (their checks hold by the packed weight's key and a few attribute reads), with
-    torch's results and gradients, with and without grad mode, bias or not, f32 and bf16."""
+    """An eval-mode layer that packed its weight skips _check and _linear for a 2-D CPU input
+    of its dtype (the packed weight's key vouches), with torch's results and gradients, grad
+    mode or not, bias or not, f32 and bf16; a training call packs afresh (checked path)."""
     ours, ref = _pair(70, 130, bias, "gelu", dtype)
+    ours.eval()
     x = torch.randn(5, 70).to(dtype)
     ours(x)                                         # packs the weight (the checked path)
     monkeypatch.setattr(ot, "_check", _fails)
@@ -489,6 +490,8 @@ def test_linear_common_call_takes_the_thin_path(bias, dtype, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(ours(xs), F.gelu(ref(xs)), **TOL[dtype])
     _compare(ours, ref, "gelu", (33, 70), dtype)    # a new batch size: nothing repacked
+    with pytest.raises(AssertionError, match="checked path"):
+        ours.train()(x)
 
 
 def test_linear_thin_path_falls_back_to_the_checks(monkeypatch):
