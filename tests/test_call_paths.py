@@ -211,6 +211,32 @@ def test_nest_allows_the_identical_array_for_element_wise_calls_only():
         transpose(z, z)
 
 
+def test_nest_refuses_the_identical_array_where_a_later_read_sees_a_write():
+    """Each call in place on its own, yet wrong together: a second call reading x after the
+    first wrote y (y = relu(x); y = y + x gave 2 relu(x)), or a loop revisiting a block (the
+    second visit reads what the first wrote)."""
+    nest = tpp.LoopNest("A", a=4)
+    a, = nest.vars
+    x, y = nest.tensor("x", (16, 8)), nest.tensor("y", (16, 8))
+    nest.call(tpp.unary("relu", 4, 8), x[a * 4], y[a * 4])
+    nest.call(tpp.binary("add", 4, 8), y[a * 4], x[a * 4], y[a * 4])
+    two_calls = nest.compile()
+    z = _f32(16, 8)
+    want = np.maximum(z, 0) + z
+    out = np.empty_like(z)
+    two_calls(z, out)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    with pytest.raises(ArgumentError, match="y overlaps x"):
+        two_calls(z, z)
+    nest = tpp.LoopNest("AB", a=4, b=2)                  # block a, visited for each b
+    a, b = nest.vars
+    x, y = nest.tensor("x", (16, 8)), nest.tensor("y", (16, 8))
+    nest.call(tpp.unary("exp", 4, 8), x[a * 4], y[a * 4])
+    revisits = nest.compile()
+    with pytest.raises(ArgumentError, match="y overlaps x"):
+        revisits(z, z)
+
+
 def test_overlap_sweep_agrees_with_the_pairwise_verdict():
     """_check_overlap's sweep in address order raises exactly where the pairwise judgement
     does (random placements of the gemm nest's three tensors, sizes 0 included)."""

@@ -127,6 +127,42 @@ def test_strided_inputs_outputs_in_place_and_positional_call():
     np.testing.assert_allclose(yy, xa * ya + 1, rtol=1e-6)
 
 
+def test_in_place_only_block_output_onto_block_input():
+    """A broadcast input under a reduction output, or two outputs on one array, were taken
+    as "in place" and came back wrong (the broadcast row is read by every row after the
+    reduction has overwritten it; one of two outputs is lost): an ArgumentError now."""
+    m, n = 8, 32
+    x, r, c = _rand(m, n), _rand(1, n)[0], _rand(1, m)[0]
+    eq = tpp.equation(m, n)
+    xi, ri = eq.input("x"), eq.input("r", bcast="row")
+    k = eq.compile(xi * ri, s=eq.sum(xi, axis=0) + ri)
+    with pytest.raises(ArgumentError, match="overlaps"):
+        k(x, r, s=r)
+    eq = tpp.equation(m, n)
+    xi, ci = eq.input("x"), eq.input("c", bcast="col")
+    k = eq.compile(eq.max(xi + ci, axis=1), o2=xi - ci)
+    with pytest.raises(ArgumentError, match="overlaps"):
+        k(x, c, out=c)
+    eq = tpp.equation(m, n)
+    xi = eq.input("x")
+    k = eq.compile(xi * 2.0, xi + 1.0)
+    o = np.zeros((m, n), np.float32)
+    with pytest.raises(ArgumentError, match="overlaps"):
+        k(x, out=o, out1=o)
+    eq = tpp.equation(m, n)                # one output, one broadcast input: the fast path
+    xi, ri = eq.input("x"), eq.input("r", bcast="row")
+    k = eq.compile(eq.sum(xi * ri, axis=0))
+    with pytest.raises(ArgumentError, match="overlaps"):
+        k(x, r, out=r)
+    xx = x.copy()
+    eq = tpp.equation(m, n)
+    xi, ri = eq.input("x"), eq.input("r", bcast="row")
+    k = eq.compile(xi * ri, s=eq.sum(xi, axis=0))
+    out, s = k(xx, r, out=xx)              # a block output onto the block input: fine
+    np.testing.assert_allclose(out, x * r, rtol=1e-6)
+    np.testing.assert_allclose(s, x.sum(0), rtol=1e-5, atol=1e-5)
+
+
 def test_runtime_param_is_not_compiled_in():
     eq = tpp.equation(2, 8)
     x, a = eq.input("x"), eq.param("a")

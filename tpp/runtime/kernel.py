@@ -84,12 +84,26 @@ class Kernel(KernelBase):
         self._raw = None
         self._checks = [arrays.LayoutChecks(op) for op in self._operands]
         self._plans: dict = {}      # the operands' signatures (() for missing outputs) -> _Plan
-        self._inplace_ok = spec.info.kind in _INPLACE_KINDS
+        self._inplace = self._inplace_pairs(spec.info.kind)
         self.input_names = tuple(self._operands[k].name for k in self._input_idx)
         self.output_names = tuple(self._operands[k].name for k in self._output_idx)
         self._fast = self._fast_plan()
         self._fastcall = None
         self._has_index = any(o.layout == "index" for o in self._operands)
+
+    def _inplace_pairs(self, kind) -> frozenset:
+        """(output k, operand j) pairs where output k may be the very array of operand j (in
+        place): any pair of an element-wise op; an equation's block output onto a block input
+        only (a broadcast input is read for every row or column, after an output written onto
+        it may have changed it; a reduction output is written when its block may still be
+        read; two outputs on one array would lose one)."""
+        if kind not in _INPLACE_KINDS:
+            return frozenset()
+        ops = self._operands
+        return frozenset(
+            (k, j) for k in self._output_idx for j in range(len(ops)) if j != k and (
+                kind != "equation" or (ops[k].layout == ops[j].layout == "block"
+                                       and ops[j].role == "in")))
 
     def _fast_plan(self):
         """(input checks, output allocations) for the common call: C-contiguous numpy arrays of
@@ -184,9 +198,10 @@ class Kernel(KernelBase):
         ndarray, empty, address = np.ndarray, np.empty, arrays.address
         odt, oshape, _ = outs[0]
         out_bytes = int(np.prod(oshape)) * np.dtype(odt).itemsize
-        # out=x is allowed only where the op may write in place; for any other op the checked
-        # path must refuse it, so an identical array is a miss here like any other overlap.
-        inplace_ok = self._inplace_ok
+        # out=x is allowed only where the op may write in place onto that input; elsewhere the
+        # checked path must refuse it, so an identical array is a miss like any other overlap.
+        out_k = self._output_idx[0]
+        inplace_ok = [(out_k, k) in self._inplace for k in self._input_idx]
         # Each closure: inputs and a given output must be C-contiguous numpy arrays of the
         # operands' dtypes and shapes, the output writable and sharing no byte with an input
         # (or being that very input, for an in-place op); anything else is a miss.
@@ -212,7 +227,7 @@ class Kernel(KernelBase):
                 if not (flags.c_contiguous and flags.writeable):
                     return None
                 po = address(out)
-                if px < po + out_bytes and po < px + in_bytes and not (inplace_ok and out is x):
+                if px < po + out_bytes and po < px + in_bytes and not (inplace_ok[0] and out is x):
                     return None
                 fn(px, po)
                 return out
@@ -241,9 +256,9 @@ class Kernel(KernelBase):
             if not (flags.c_contiguous and flags.writeable):
                 return None
             po = address(out)
-            if pa < po + out_bytes and po < pa + bytes0 and not (inplace_ok and out is a):
+            if pa < po + out_bytes and po < pa + bytes0 and not (inplace_ok[0] and out is a):
                 return None
-            if pb < po + out_bytes and po < pb + bytes1 and not (inplace_ok and out is b):
+            if pb < po + out_bytes and po < pb + bytes1 and not (inplace_ok[1] and out is b):
                 return None
             fn(pa, pb, po)
             return out
@@ -341,17 +356,19 @@ class Kernel(KernelBase):
     def _check_overlap(self, layouts, addresses, user_outputs):
         """ArgumentError if an output the caller passed shares memory with another operand;
         an element-wise op may write onto the identical array (in place)."""
-        inplace_ok = self._inplace_ok
+        inplace = self._inplace
         spans = [(a + lay.low, a + lay.high) for lay, a in zip(layouts, addresses)]
         for k in user_outputs:
             for j in range(len(spans)):
                 if j == k or not arrays.spans_overlap(spans[k], spans[j]):
                     continue
-                if inplace_ok and layouts[k].same_view(addresses[k], layouts[j], addresses[j]):
+                if (k, j) in inplace and layouts[k].same_view(addresses[k], layouts[j],
+                                                              addresses[j]):
                     continue
                 raise ArgumentError(
-                    f"{self._operands[k].name} overlaps {self._operands[j].name}; only an "
-                    f"elementwise op may write in place, and only onto the identical array")
+                    f"{self._operands[k].name} overlaps {self._operands[j].name}; an output may "
+                    f"be written in place only onto the identical array of an input read "
+                    f"element by element (an elementwise op's input, an equation's block input)")
 
     def _check_indices(self, bound):
         """Row indices must address rows of the operand with a free row count."""

@@ -446,7 +446,8 @@ class CompiledNest:
             elif type(arr) in _TORCH_PLAIN:
                 if (arr.dtype is not self._torch_dtypes[k] or not arr.is_cpu
                         or arr.layout is not _TORCH_PLAIN[type(arr)]
-                        or not arr.is_contiguous() or arr.is_neg()):
+                        or not arr.is_contiguous() or arr.is_neg()
+                        or (plain[k][1] and arr.requires_grad)):    # _check refuses
                     return None
                 addresses.append(arr.data_ptr())
                 shapes.append(arr.shape)    # a torch.Size: equal to (and hashed as) the tuple
@@ -529,8 +530,8 @@ class CompiledNest:
                 raise ArgumentError(
                     f"{self.names[w]} overlaps {self.names[j]}: the nest writes "
                     f"{self.names[w]}, so it must not share memory with another tensor "
-                    f"(the identical array is allowed only where every call that touches "
-                    f"both is element-wise at the same offsets)")
+                    f"(the identical array is allowed only where one element-wise call "
+                    f"alone touches both, at the same offsets, each block once)")
 
     def run(self, table):
         """Run with a table from `bind` or `_fast_table` (the arrays it was bound to must
@@ -595,4 +596,6 @@ def _check(tensor: Tensor, arr, writable: bool) -> tuple:
                             f"{tuple(strides)} (elements)")
     if writable and not can_write:
         raise ArgumentError(f"{tensor.name}: the nest writes it, but the array is read-only")
+    if writable:
+        arrays.check_output_tensor(arr, tensor.name)
     return arrays.address(arr), shape
