@@ -92,13 +92,17 @@ def _exp_nonpos(x):
 
 
 def _minus(z, shift):
-    """z - shift, as one fma(s, scale, -shift) where z is the bare s * scale (a block with no
-    mask): one operation instead of two, and one rounding (s * scale is exact in it). Where
-    shift is the rounded maximum of s * scale, the result may exceed 0 by half an ulp of it:
-    within exp_nonpos's domain (e^x up to x = 44)."""
-    if z.op == "mul" and z.args[0].op == "input" and z.args[1].op == "param":
-        return X.fma(z.args[0], z.args[1], -shift)
+    """z - shift, z rounded first: where shift is the rounded maximum of z, the difference is
+    <= 0 exactly (rounding is monotonic). One fma(s, scale, -shift) would save an operation
+    but exceed 0 by up to half an ulp of shift, past exp_nonpos's domain (e^x up to x = 44)
+    for scores over ~7e8 (NaN and inf where torch is finite)."""
     return z - shift
+
+
+def _clamped(d):
+    """d where <= 0 (or NaN), else 0: a difference that rounding may push a few ulps above 0
+    (a few ulps of a huge score exceed exp_nonpos's domain)."""
+    return X.select(X.compare("gt", d, 0.0), 0.0, d)
 
 
 def _finite_or_zero(m):
@@ -265,8 +269,9 @@ def backward_step_spec(o: Options, diag: bool, tail: bool):
     # a query that saw no key (lse -inf): exp(z - +inf) = 0, not NaN. z - lse <= 0 up to
     # rounding: lse = m + log(l) with m the forward's maximum of z and l >= 1 (l sums P, which
     # holds exp(0) = 1 at the maximum, and alpha * l_old + ...), so log(l) >= 0; a recomputed
-    # z may exceed m by a few ulps (another BRGEMM's rounding), far below exp_nonpos's 44
-    p_saved = _exp_nonpos(_minus(z, X.select(X.compare("eq", lse, NEG_INF), math.inf, lse)))
+    # z may exceed m by a few ulps (another BRGEMM's rounding): clamped at 0
+    p_saved = _exp_nonpos(_clamped(_minus(z, X.select(X.compare("eq", lse, NEG_INF), math.inf,
+                                                      lse))))
     pd, ds = X.substitute([pd, ds], {e: p_saved, total: X.const(1.0)})
     sums = [n for n in X.topological([ds]) if n.op in X.REDUCTIONS]
     assert len(sums) == 1 and sums[0].attr[0] == 0, "the softmax gradient's one column sum"

@@ -514,3 +514,18 @@ def test_plain_backward_takes_the_forward_template_and_still_checks():
         args.update(bad)
         with pytest.raises(ArgumentError):
             A.attention_backward(**args)
+
+
+@pytest.mark.parametrize("s, d, magnitude", [(70, 32, 1e9), (64, 8, 1e12), (130, 16, 1e10)])
+def test_huge_scores_stay_finite(s, d, magnitude):
+    """s * scale - max as one fma left up to half an ulp of a ~1e9 maximum above 0, past exp's
+    non-positive domain: NaN and inf rows where torch is finite. The backward's recomputed
+    scores are clamped at the saved maximum the same way."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, s, d, generator=g) * magnitude
+    k, v, dy = (torch.randn(1, 2, s, d, generator=g) for _ in range(3))
+    out, lse = ops.attention_forward(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5,
+                               rtol=1e-5)
+    grads = ops.attention_backward(dy, q, k, v, out, lse)
+    assert all(torch.isfinite(t).all() for t in grads)

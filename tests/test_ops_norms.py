@@ -157,6 +157,16 @@ def test_softmax_mask_and_scale():
         N.softmax(x, mask=np.zeros((3, n), np.float32))
 
 
+@pytest.mark.parametrize("magnitude", [1e9, 1e20, 1e30])
+def test_softmax_of_huge_scaled_logits_is_finite(magnitude):
+    """x * scale - max rounded before exp: an unrounded fma left up to half an ulp of a
+    ~1e9 maximum above 0, past exp's non-positive domain (NaN where torch is finite)."""
+    x = _data((9, 40), 6)
+    y = N.softmax(x, scale=magnitude)
+    _close(y, torch.softmax(_t(x) * magnitude, -1))
+    assert np.isfinite(y).all()
+
+
 def test_bias_act_dropout():
     m, n = 130, 70
     x, b, dy = _data((m, n), 1), _data(n, 2), _data((m, n), 3)
