@@ -41,6 +41,8 @@ def host(x, name: str, device: bool = False):
     if t is DeviceView and device:
         return x
     arr = arrays.as_array(x, name)
+    if isinstance(arr, np.ndarray):     # a subclass (np.memmap, ...): its plain ndarray view
+        return arr.view(np.ndarray)
     where = arrays.device_of(arr)
     if not where.is_host:
         if not device:
@@ -389,6 +391,8 @@ def contiguous(x):
     tensor with the negative bit set (a lazy negation) is copied with its values resolved."""
     if type(x) is np.ndarray:
         return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    if isinstance(x, np.ndarray):       # a subclass (np.memmap, ...): its plain ndarray view
+        return contiguous(x.view(np.ndarray))
     if arrays.is_torch(x):
         if x.is_neg():      # torch's lazy negation: its memory holds -x
             x = x.resolve_neg()
@@ -484,8 +488,8 @@ def packed_copy(module, name, sources, make):
 
 
 def finite_number(value, name: str) -> float:
-    """A finite real number (not a bool) as a float; ArgumentError otherwise."""
-    if isinstance(value, (bool, np.bool_)):
+    """A finite real number (not a bool, not a string) as a float; ArgumentError otherwise."""
+    if isinstance(value, (bool, np.bool_, str, bytes)):
         raise ArgumentError(f"{name} must be a number, got {value!r}")
     try:
         v = float(value)

@@ -61,14 +61,9 @@ def _param_dtype(weight, bias, dt):
 
 
 def _eps(eps, name="eps"):
-    if isinstance(eps, bool):
-        raise ArgumentError(f"{name} must be a number, got {eps!r}")
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"{name} must be a number, got {eps!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ArgumentError(f"{name} must be finite and >= 0, got {eps!r}")
+    value = _host.finite_number(eps, name)      # no bools (numpy's too), no strings
+    if value < 0:
+        raise ArgumentError(f"{name} must be >= 0, got {eps!r}")
     return value
 
 

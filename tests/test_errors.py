@@ -160,3 +160,37 @@ def test_avx512_code_on_a_host_without_it_is_refused_not_run(monkeypatch):
     monkeypatch.setenv("TPP_CPU_ISA", "avx512")
     with pytest.raises(UnsupportedError, match="cannot run avx512"):
         tpp.unary("negate", 3, 5)(np.ones((3, 5), np.float32))
+
+
+def test_numpy_scalars_as_parameters_and_what_is_not_a_number():
+    """Kernel parameters take numpy numbers as the operators do; eps and scale refuse bools
+    (numpy's too) and strings instead of reading them as numbers."""
+    import ops
+    leaky = tpp.unary("leaky_relu", 4, 16, alpha=np.float32(0.25))
+    assert leaky.spec == tpp.unary("leaky_relu", 4, 16, alpha=0.25).spec
+    assert dict(tpp.unary("dropout", 4, 16, p=np.int64(0)).spec.params)["p"] == 0.0
+    with pytest.raises(SpecError, match="must be a number"):
+        tpp.unary("leaky_relu", 4, 16, alpha=np.True_)
+    x = np.ones((4, 16), np.float32)
+    for bad in (True, np.True_, "1e-5"):
+        with pytest.raises(ArgumentError, match="eps must be a number"):
+            ops.layer_norm(x, eps=bad)
+    with pytest.raises(ArgumentError, match="scale must be a number"):
+        ops.softmax(x, scale="0.5")
+
+
+def test_nest_refuses_an_output_requiring_grad_while_autograd_records():
+    torch = pytest.importorskip("torch")
+    nest = tpp.LoopNest("A", a=1)
+    a, = nest.vars
+    x, y = nest.tensor("x", (4, 16)), nest.tensor("y", (4, 16))
+    nest.call(tpp.unary("exp", 4, 16), x[a * 4], y[a * 4])
+    f = nest.compile()
+    src = torch.zeros(4, 16)
+    out = torch.zeros(4, 16, requires_grad=True)
+    for _ in range(2):                                  # the checked path, then the fast one
+        with pytest.raises(ArgumentError, match="requires grad"):
+            f(src, out)
+        with torch.no_grad():
+            f(src, out)
+        assert bool((out == 1).all())

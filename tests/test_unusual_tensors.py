@@ -128,3 +128,29 @@ def test_tensor_subclasses_are_torchs_to_dispatch():
     assert type(y) is _Subclass
     torch.testing.assert_close(y.as_subclass(torch.Tensor), F.conv2d(img, conv.weight, conv.bias),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_numpy_subclasses_are_read_as_plain_arrays(tmp_path):
+    """np.memmap and other ndarray subclasses: every operator reads them as their plain
+    ndarray view (they crashed with AttributeError) and returns ndarrays."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    mm = np.memmap(tmp_path / "x.dat", dtype=np.float32, mode="w+", shape=x.shape)
+    mm[...] = x
+    sub = x.view(type("MyArray", (np.ndarray,), {}))
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    img = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    for a in (mm, sub):
+        calls = [(ops.layer_norm(a), ops.layer_norm(x)), (ops.softmax(a), ops.softmax(x)),
+                 (ops.matmul(a, w), ops.matmul(x, w)), (ops.linear(a, w), ops.linear(x, w)),
+                 (tpp.unary("relu", 4, 16)(a), np.maximum(x, 0)),
+                 (ops.conv2d(a.reshape(img.shape), w[:3].reshape(3, 2, 2, 4), padding=1),
+                  ops.conv2d(img * 0 + x.reshape(img.shape), w[:3].reshape(3, 2, 2, 4),
+                             padding=1)),
+                 (ops.attention(a.reshape(q.shape), q, q), ops.attention(x.reshape(q.shape), q, q))]
+        for got, want in calls:
+            assert type(got) is np.ndarray
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    del mm

@@ -284,11 +284,14 @@ def check_params(op: OpInfo, given: dict) -> tuple:
             if not isinstance(value, bool):
                 raise SpecError(f"{op.name}: {key} must be True or False, got {value!r}")
         elif isinstance(default, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # numpy scalars too (a numpy bool is a bool here as well)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float,
+                                                                              np.integer,
+                                                                              np.floating)):
                 raise SpecError(f"{op.name}: {key} must be a number, got {value!r}")
             merged[key] = float(value)
         elif isinstance(default, int):
-            if value not in (0, 1) or isinstance(value, bool):
+            if value not in (0, 1) or isinstance(value, (bool, np.bool_)):
                 raise SpecError(f"{op.name}: {key} must be 0 or 1, got {value!r}")
         elif key == "approximate" and value not in ("none", "tanh"):
             raise SpecError(f"{op.name}: approximate must be 'none' or 'tanh', got {value!r}")
