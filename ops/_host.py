@@ -444,15 +444,30 @@ def rows(x, k: int, name: str):
     return x.reshape(m, k), lead
 
 
+_OPTIMIZER_STEPS = [0]      # torch.optim steps taken in this process (weight_key)
+_WATCHING_STEPS: list = []
+
+
+def _count_step(optimizer, args, kwargs):
+    _OPTIMIZER_STEPS[0] += 1
+
+
 def weight_key(w, fresh: bool = False) -> tuple:
     """What identifies a torch weight's values to a packed copy of it: storage address, version
-    counter (in-place writes bump it), dtype, shape and strides. An inference tensor (made
-    under torch.inference_mode) has no version counter: its key is new at every call, so its
-    packed copy is rebuilt each time rather than trusted after a write it cannot see. So is
-    the key of a weight read with fresh=True: a training call's (training_call)."""
+    counter (in-place writes bump it), the count of optimizer steps taken in the process
+    (torch's fused optimizers, fused=True, update weights without bumping their versions; a
+    step of any optimizer makes every key new, counted by a global step hook), dtype, shape
+    and strides. An inference tensor (made under torch.inference_mode) has no version
+    counter: its key is new at every call, so its packed copy is rebuilt each time rather
+    than trusted after a write it cannot see. So is the key of a weight read with
+    fresh=True: a training call's (training_call)."""
+    if not _WATCHING_STEPS:
+        from torch.optim import optimizer
+        optimizer.register_optimizer_step_post_hook(_count_step)
+        _WATCHING_STEPS.append(True)
     if fresh or w.is_inference():
         return (w.data_ptr(), object(), w.dtype, w.shape, w.stride())
-    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+    return (w.data_ptr(), w._version, _OPTIMIZER_STEPS[0], w.dtype, w.shape, w.stride())
 
 
 def training_call(module) -> bool:

@@ -24,8 +24,9 @@ TPP class holding the same attributes: the SAME Parameter and buffer objects (no
 the same children, hooks, training flag and state_dict hooks, so state_dict keys are
 unchanged and state dicts load both ways; an optimizer built on the old model's parameters
 updates the new one (the converted modules key their packed weights on each parameter's
-version counter, which optimizer steps bump, and pack afresh in training calls, whatever
-updates the weights between steps: ops._host.training_call). Outside training, writes that
+version counter and on the count of optimizer steps taken, fused ones included, and pack
+afresh in training calls, whatever updates the weights between steps: ops._host.weight_key,
+training_call). Outside training, writes that
 bypass the version counter (through `p.data`, or a numpy view of a parameter) are not seen
 by the packed copies: call invalidate_packed(model) after them. A module reachable under
 several paths is converted once (the same new object everywhere); the root itself may be

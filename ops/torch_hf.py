@@ -323,17 +323,22 @@ def _reduced_mask(mask, b, length):
     if not (type(mask) is torch.Tensor and mask.layout is torch.strided and mask.is_cpu
             and not mask.requires_grad and mask.dim() in (2, 3, 4)):
         return False
+    # an inference tensor (made under torch.inference_mode) has no version counter: reduced
+    # afresh at every call, never cached
+    inference = mask.is_inference()
     cached = _MASK_CACHE[0]
-    if cached is not None and cached[0]() is mask and cached[1] == mask._version:
+    if not inference and cached is not None and cached[0]() is mask \
+            and cached[1] == mask._version:
         return cached[2]
     m = mask
     if m.dim() >= 2 and m.shape[-2] > 1 and m.shape[-2] == length:
         if m.stride(-2) == 0 or bool((m == m[..., :1, :]).all()):
             m = m[..., :1, :]
-    try:
-        _MASK_CACHE[0] = (weakref.ref(mask), mask._version, m)
-    except TypeError:
-        pass
+    if not inference:
+        try:
+            _MASK_CACHE[0] = (weakref.ref(mask), mask._version, m)
+        except TypeError:
+            pass
     return m
 
 

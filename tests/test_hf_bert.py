@@ -197,6 +197,21 @@ def test_structure_not_class_names(kind, act, dtype):
     assert (got_unmasked.float() - want_unmasked.float()).abs().max() <= tol * 10
 
 
+def test_inference_mode_with_a_mask():
+    """The reduced attention mask was cached by its version counter, which an inference
+    tensor lacks (RuntimeError under torch.inference_mode): such a mask is reduced afresh."""
+    model = _tiny()
+    fast = ops.torch.optimize(model)
+    ids = torch.randint(3, 99, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 5:] = 0
+    for _ in range(2):
+        with torch.inference_mode():
+            want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            got = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert (got - want).abs().max() <= 1e-4
+
+
 def test_decoders_are_left_with_a_reason():
     model = _tiny(is_decoder=True)
     fast, summary = ops.torch.optimize(model, report=True)

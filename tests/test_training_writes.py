@@ -78,3 +78,23 @@ def test_invalidate_packed_shows_writes_through_data_outside_training():
             m.weight.data.add_(1.0)
         T.invalidate_packed(mine)
         _close(mine[1](img), ref[1](img))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_fused_optimizer_step_is_seen(name):
+    """torch's fused optimizers (fused=True) update weights without bumping their version
+    counters; the packed copies count optimizer steps too (a global step hook)."""
+    make, data = MODELS[name]
+    torch.manual_seed(2)
+    ref = make().eval()
+    mine = T.optimize(copy.deepcopy(ref))
+    x = data()
+    for m in (ref, mine):
+        with torch.no_grad():
+            m(x)                                # packed
+        params = list(m.parameters())
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        torch.optim.AdamW(params, lr=0.1, fused=True).step()
+    with torch.no_grad():
+        _close(mine(x), ref(x))
