@@ -254,9 +254,13 @@ def _check_packed(packed, weight, geo, transposed):
     if (not isinstance(packed, BlockedWeight) or packed.shape != tuple(weight.shape)
             or packed.groups != geo.groups or packed.transposed != transposed
             or _host.dtype_of(packed.data, "packed") != geo.dtype):
+        got = (f"a packed weight of {packed.shape}, groups {packed.groups}"
+               f"{', transposed' if packed.transposed else ''}, "
+               f"{_host.dtype_of(packed.data, 'packed')}" if isinstance(packed, BlockedWeight)
+               else type(packed).__name__)
         raise ArgumentError(f"packed: expected pack_weight(weight, {geo.groups}, {geo.dtype}"
                             f"{', transposed=True' if transposed else ''}) of the weight "
-                            f"{tuple(weight.shape)}, got {packed!r}")
+                            f"{tuple(weight.shape)}, got {got}")
     return packed
 
 

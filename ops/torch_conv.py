@@ -63,10 +63,11 @@ def _servable(x, weight, bias) -> bool:
     return True
 
 
-def _key(w, fresh=False):
-    """The key of a weight's packed copies: _weight_key, with the device for a weight off the
+def _key(w, groups, fresh=False):
+    """The key of a weight's packed copies: _weight_key and the groups they were packed for
+    (a module's groups may change after construction), with the device for a weight off the
     CPU (a parameter moved by module.to(...) is packed again, on its new device)."""
-    return _weight_key(w, fresh) if w.is_cpu else (w.device, _weight_key(w, fresh))
+    return (groups, _weight_key(w, fresh) if w.is_cpu else (w.device, _weight_key(w, fresh)))
 
 
 def _d(t):
@@ -127,7 +128,7 @@ class Conv2dFunction(torch.autograd.Function):
                     None, None, None, None, None, None)
         packed = None
         if need[0] and not _c.serves_pointwise(x, weight, *ctx.hyper, forward=False):
-            cached = packs is not None and packs.key == _key(weight)
+            cached = packs is not None and packs.key == _key(weight, groups)
             if cached and packs.transposed is not None:
                 packed = packs.transposed
             else:
@@ -186,7 +187,7 @@ class Conv2d(torch.nn.Conv2d):
         w = self.weight
         packs = None
         if (w.is_cpu or w.is_cuda) and w.dtype in _DTYPES and w.dim() == 4:
-            key = _key(w, _host.training_call(self))     # a training call packs afresh
+            key = _key(w, self.groups, _host.training_call(self))   # training: afresh
             packs = self._tpp_packs
             if packs is None or packs.key != key:
                 # src shares the weight's storage: holding it keeps the address from reuse

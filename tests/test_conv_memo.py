@@ -130,3 +130,15 @@ def test_a_used_module_copies_and_pickles_without_its_memo():
         assert other._tpp_memo is None and other._tpp_packs is None
         with torch.no_grad():
             torch.testing.assert_close(other(x), want)
+
+
+def test_groups_changed_after_a_call_repacks():
+    """The packed weight was keyed on the weight alone: a module whose groups changed after a
+    call (torch takes it: the weight's shape stays valid) raised at every later call."""
+    torch.manual_seed(5)
+    mine = tc.Conv2d(4, 4, 3, padding=1).eval()
+    ref = torch.nn.Conv2d(4, 4, 3, padding=1).eval()
+    ref.load_state_dict(mine.state_dict())
+    _same(mine, ref, torch.randn(2, 4, 6, 6))
+    mine.groups = ref.groups = 2
+    _same(mine, ref, torch.randn(2, 8, 6, 6))
