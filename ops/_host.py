@@ -470,6 +470,21 @@ def weight_key(w, fresh: bool = False) -> tuple:
     return (w.data_ptr(), w._version, _OPTIMIZER_STEPS[0], w.dtype, w.shape, w.stride())
 
 
+def torchs_to_dispatch(tensors) -> bool:
+    """Whether torch's own operator must take a call on these tensors (None allowed):
+    __torch_function__ objects (tensor subclasses), or a torch.func transform in progress
+    (vmap, grad, jvp, ...), whose wrapped tensors hold no storage a kernel could read."""
+    import torch
+    return (torch.overrides.has_torch_function(tuple(t for t in tensors if t is not None))
+            or transforming())
+
+
+def transforming() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is in progress (~25 ns)."""
+    import torch
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def training_call(module) -> bool:
     """Whether a call of module is a training step (module.training, grad mode on). Its
     weights' packed copies are made afresh (weight_key(w, fresh=True)): a training loop may

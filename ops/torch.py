@@ -249,7 +249,7 @@ def _linear(x, weight, bias, activation, pack):
     None), called only when the nests run (an empty weight cannot be packed). Tensor
     subclasses and other __torch_function__ objects are torch's to dispatch."""
     if x.numel() == 0 or weight.numel() == 0 or \
-            torch.overrides.has_torch_function((x, weight, bias)):
+            _host.torchs_to_dispatch((x, weight, bias)):
         return _torch_linear(x, weight, bias, activation)
     if not _host.wants_grad(x, weight, bias):   # validated (_check): straight to the GEMM
         return _plain(_ops.linear(x, _packed(pack(weight), weight), bias, activation))
@@ -361,8 +361,9 @@ class Linear(torch.nn.Module):
         weight = params["weight"] if "weight" in params else self.weight
         bias = params["bias"] if "bias" in params else self.bias
         activation = self.activation
-        # a training call packs afresh (_packed_of), so it never takes the thin path
-        packed = None if _host.training_call(self) else \
+        # a training call packs afresh (_packed_of), so it never takes the thin path; nor
+        # does a call inside a torch.func transform (torch's own linear takes it)
+        packed = None if _host.training_call(self) or _host.transforming() else \
             self._fast_packed(x, weight, bias, activation)
         if packed is None:
             _check(x, weight, bias, activation)     # before packing the weight

@@ -150,7 +150,7 @@ def _plan(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
         return None
     if query.dtype != key.dtype or query.dtype != value.dtype:
         return None
-    if torch.overrides.has_torch_function((query, key, value)):
+    if _host.torchs_to_dispatch((query, key, value)):
         return None
     nd = query.dim()
     if nd < 2 or key.dim() != nd or value.dim() != nd or key.shape != value.shape:
@@ -196,7 +196,7 @@ def _mask4(mask, query, full, batch):
         return None
     if mask.dtype not in (torch.bool, torch.float32, query.dtype) or _wants_grad(mask):
         return None
-    if torch.overrides.has_torch_function((mask,)) or mask.dim() > len(full):
+    if _host.torchs_to_dispatch((mask,)) or mask.dim() > len(full):
         return None
     shape = (1,) * (len(full) - mask.dim()) + tuple(mask.shape)
     if any(m not in (1, f) for m, f in zip(shape, full)):
@@ -349,7 +349,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         tensors = (query, key, value)
         if not all(_takes(t) and t.dtype == dtype for t in tensors):
             return None
-        if torch.overrides.has_torch_function(tensors):
+        if _host.torchs_to_dispatch(tensors):
             return None
         nd = query.dim()
         if nd not in (2, 3) or key.dim() != nd or key.shape != value.shape:
@@ -476,4 +476,4 @@ def _mask_taken(mask, dtype) -> bool:
     device: _fused checks), bool or of the module's dtype, not requiring grad."""
     return (not mask.is_nested and mask.layout is torch.strided
             and mask.dtype in (torch.bool, dtype) and not _wants_grad(mask)
-            and not torch.overrides.has_torch_function((mask,)))
+            and not _host.torchs_to_dispatch((mask,)))

@@ -54,7 +54,7 @@ def _servable(x, weight, bias) -> bool:
     subclasses and other __torch_function__ objects are torch's to dispatch."""
     if x.dim() not in (3, 4) or weight.dim() != 4 or x.numel() == 0:
         return False
-    if torch.overrides.has_torch_function((x, weight, bias)):
+    if _host.torchs_to_dispatch((x, weight, bias)):
         return False
     for t in (x, weight, bias):
         if t is not None and (t.dtype != x.dtype or t.dtype not in _DTYPES
@@ -159,7 +159,10 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 
 
 def _conv2d(input, weight, bias, stride, padding, dilation, groups, packs, memo=None):
-    if not _servable(input, weight, bias):
+    # torch takes an int, a pair or a string; ops.conv's (top, bottom, left, right) 4-tuple
+    # is torch's to refuse
+    if not _servable(input, weight, bias) or (
+            isinstance(padding, (tuple, list)) and len(padding) != 2):
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
     squeeze = input.dim() == 3
     x = input.unsqueeze(0) if squeeze else input

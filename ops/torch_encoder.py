@@ -374,7 +374,7 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         for m in self.modules():
             if m is not self and (m._forward_hooks or m._forward_pre_hooks):
                 return None
-        if torch.overrides.has_torch_function(self._params()):
+        if _host.torchs_to_dispatch(self._params()):
             return None
         return _activation_name(self.activation), attn.in_proj_weight.dtype
 
@@ -384,7 +384,7 @@ class TransformerEncoderLayer(torch.nn.TransformerEncoderLayer):
         if config is None:
             return None
         act, dtype = config
-        if not (_takes(src) and src.dtype == dtype) or torch.overrides.has_torch_function(
+        if not (_takes(src) and src.dtype == dtype) or _host.torchs_to_dispatch(
                 (src,)):
             return None
         attn = self.self_attn

@@ -416,7 +416,7 @@ class SelfAttentionMixin(_Converted):
         if not (_takes(x) and x.dim() == 3 and x.dtype == dtype
                 and all(_takes(t) and t.dtype == dtype for t in params)):
             return None
-        if torch.overrides.has_torch_function((x, *params)):
+        if _host.torchs_to_dispatch((x, *params)):
             return None
         b, length, e_in = x.shape
         if not (b and length) or e_in != wq.shape[1]:
@@ -559,7 +559,7 @@ class OutputMixin(_Converted):
                 and all(_takes(t) and t.dtype == dtype for t in params)
                 and norm.normalized_shape == (n,)):
             return None
-        if torch.overrides.has_torch_function((x, res, *params)):
+        if _host.torchs_to_dispatch((x, res, *params)):
             return None
         p = drop.p if self.training else 0.0
         if not 0.0 <= p < 1.0:

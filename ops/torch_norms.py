@@ -62,7 +62,7 @@ def _servable(*tensors) -> bool:
     """Whether the TPP path takes these tensors (None entries ignored): f32 / bf16 on the CPU
     or a CUDA device (ops.norms runs its nests there; a mix of devices is its ArgumentError);
     tensor subclasses and other __torch_function__ objects are torch's to dispatch."""
-    if torch.overrides.has_torch_function(tensors):
+    if _host.torchs_to_dispatch(tensors):
         return False
     for t in tensors:
         if t is None:

@@ -154,3 +154,31 @@ def test_numpy_subclasses_are_read_as_plain_arrays(tmp_path):
             assert type(got) is np.ndarray
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     del mm
+
+
+def test_torch_func_transforms_take_torchs_operators():
+    """Inside vmap / grad (torch.func) the tensors are wrappers without storage the kernels
+    could read (RuntimeError from every drop-in): torch's own operators take the call."""
+    from torch.func import grad, vmap
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 5, 8)
+    for ref in (torch.nn.Linear(8, 4), torch.nn.LayerNorm(8), torch.nn.RMSNorm(8)):
+        mine = ot.optimize(ref)
+        torch.testing.assert_close(vmap(mine)(x), vmap(ref)(x))
+        with torch.no_grad():
+            torch.testing.assert_close(vmap(mine)(x), vmap(ref)(x))
+        torch.testing.assert_close(grad(lambda t: mine(t).square().sum())(x[0]),
+                                   grad(lambda t: ref(t).square().sum())(x[0]))
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+    img = torch.randn(3, 2, 2, 5, 5)
+    torch.testing.assert_close(vmap(ot.optimize(conv))(img), vmap(conv)(img))
+    torch.testing.assert_close(vmap(lambda t: ot.softmax(t, -1))(x), torch.softmax(x, -1))
+    torch.testing.assert_close(vmap(lambda t: ot.scaled_dot_product_attention(t, t, t))(x),
+                               vmap(lambda t: F.scaled_dot_product_attention(t, t, t))(x))
+
+
+def test_conv2d_padding_torch_refuses_is_refused():
+    m = ot.Conv2d(2, 2, 3)
+    m.padding = (1, 1, 2, 2)            # ops.conv's 4-tuple: not torch's
+    with pytest.raises(RuntimeError, match="padding"):
+        m(torch.randn(1, 2, 5, 5))
