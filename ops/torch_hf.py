@@ -323,9 +323,7 @@ def _reduced_mask(mask, b, length):
     if not (type(mask) is torch.Tensor and mask.layout is torch.strided and mask.is_cpu
             and not mask.requires_grad and mask.dim() in (2, 3, 4)):
         return False
-    # an inference tensor (made under torch.inference_mode) has no version counter: reduced
-    # afresh at every call, never cached
-    inference = mask.is_inference()
+    inference = mask.is_inference()     # no version counter: reduced afresh, never cached
     cached = _MASK_CACHE[0]
     if not inference and cached is not None and cached[0]() is mask \
             and cached[1] == mask._version:

@@ -581,9 +581,8 @@ def _learn_torch() -> bool:
 
 
 def _check(tensor: Tensor, arr, writable: bool) -> tuple:
-    """(address, shape) of an array (through arrays.as_array) given for `tensor`, after
-    checking its dtype, rank, C-contiguity and writability (the shape against the sizes:
-    CompiledNest._size_values)."""
+    """(address, shape) of an array given for `tensor`, after checking its dtype, rank,
+    C-contiguity, writability and autograd state (the shape: CompiledNest._size_values)."""
     dt, shape, strides, can_write, given = arrays.geometry(arr, tensor.name)
     shape = tuple(int(d) for d in shape)
     if dt != tensor.dtype:
