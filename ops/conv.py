@@ -108,7 +108,7 @@ from .conv_layout import (  # noqa: F401  (public: BlockedActivation, pack_weigh
 
 
 for _nest_cache in (_to_blocked_nest, _from_blocked_nest, _weight_rows_nest,
-                    _weight_blocks_nest, _vector_nest, _conv_nest):
+                    _weight_blocks_nest, _vector_nest):
     also_clear(_nest_cache.cache_clear)     # tpp.clear_caches() empties them too
 
 

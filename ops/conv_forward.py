@@ -12,6 +12,7 @@ import functools
 
 import tpp
 from tpp.core import dtypes as _dt
+from tpp.runtime.lru import also_clear
 
 from . import _host
 from . import conv_taps as _taps
@@ -121,6 +122,9 @@ def _run_conv(args, hp, wp, r, s, sh, sw, p, q, frame, make):
     if _flattened(r, s, sh, sw, hp, wp, p, q, frame):
         return make(1, p * q, 1, p * q), _flatten(args, p, q)
     return make(hp, wp, p, q), args
+
+
+also_clear(_conv_nest.cache_clear)      # tpp.clear_caches() empties it too
 
 
 class _ForwardStep:

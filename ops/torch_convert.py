@@ -321,6 +321,9 @@ def invalidate_packed(model: torch.nn.Module) -> None:
     the ops._host.packed_copy caches of the attention, encoder and BERT blocks): the next
     call packs the weights as they are now. Needed only after writes that bypass the
     version counters (module docstring)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"invalidate_packed takes a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     for m in model.modules():
         d = m.__dict__
         if "_packed_cache" in d:

@@ -98,3 +98,5 @@ def test_a_fused_optimizer_step_is_seen(name):
         torch.optim.AdamW(params, lr=0.1, fused=True).step()
     with torch.no_grad():
         _close(mine(x), ref(x))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        T.invalidate_packed([mine])
