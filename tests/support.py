@@ -152,3 +152,16 @@ def run_checked(kernel, pad_out: int = 0, pad_in: int = 0, seed=None):
         if o.name in bigs:
             check_margins(bigs[o.name], o.rows, o.cols)
     return got
+
+
+def sixteen_lane_code(monkeypatch):
+    """Make the CPU backend generate 16-lane (AVX-512 width) code for the rest of a test: the
+    host's own target where it has AVX-512, else 16-lane IR compiled for the host (LLVM
+    splits each vector in two). Returns the target."""
+    from tpp_cpu import backend, target
+    host = target.current()       # as TPP_CPU_ISA chooses
+    if host.lanes == 16:
+        return host
+    wide = target.Target("w16-on-" + host.isa, 16, True, host.host, features=host.features)
+    monkeypatch.setattr(backend, "current", lambda: wide)
+    return wide

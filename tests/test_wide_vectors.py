@@ -10,18 +10,15 @@ import numpy as np
 import pytest
 
 import tpp
-from support import run_checked
-from tpp_cpu import backend, target
+from support import run_checked, sixteen_lane_code
+from tpp_cpu import target
 
 
 @pytest.fixture
 def sixteen_lanes(monkeypatch):
-    host = target.make_target(target.host_isa())
-    if host.lanes == 16:
+    if target.current().lanes == 16:
         pytest.skip("this host runs the 16-lane code natively")
-    wide = target.Target("w16-on-" + host.isa, 16, True, host.host)
-    monkeypatch.setattr(backend, "current", lambda: wide)
-    return wide
+    return sixteen_lane_code(monkeypatch)
 
 
 SHAPES = [(1, 1), (3, 16), (17, 37), (33, 100)]

@@ -250,7 +250,60 @@ def storage_type(dtype):
 
 
 STREAM_PIECE = 16   # bytes per non-temporal store
+# Memory-bound kernels load unaligned f32 blocks on AVX-512 hosts as two 32-byte halves per
+# 64-byte vector (load_vec(halves=True), chosen at run time by by_input_alignment): numpy
+# places arrays at 16-byte boundaries, and a 64-byte load from such an address spans two cache
+# lines every time. On Zen 5 such loads halved LayerNorm's and RMSNorm's forward over
+# 4096 x 1024 f32 (~75 -> 27-35 GB/s, one thread; 128 to 4096 columns alike) and cost a
+# binary add a quarter; as halves (vmovups ymm + vinsertf64x4) they run at about the aligned
+# speed. Each half is a volatile load: LLVM would otherwise merge two adjacent loads back into
+# one 64-byte load.
+HALF_BYTES = 32
+ALIGNED_BYTES = 64   # inputs at this boundary load whole vectors (by_input_alignment)
 _ALIGN = {"float": 4, "half": 2, "i16": 2, "i64": 8, "i8": 1, "i32": 4}
+
+
+class _VolatileLoad(ir.LoadInstr):
+    """A load LLVM must emit as written (`load volatile`): neither merged with its neighbours
+    nor removed."""
+
+    @classmethod
+    def make(cls, b, ptr, typ, align):
+        load = b.load(ptr, typ=typ, align=align)
+        load.__class__ = cls
+        return load
+
+    def descr(self, buf):
+        [ptr] = self.operands
+        buf.append(f"load volatile {self.type}, {ptr.type} {ptr.get_reference()}, "
+                   f"align {self.align}{self._stringify_metadata(leading_comma=True)}\n")
+
+
+def by_input_alignment(b, inputs, w: int, body, least: int = 1):
+    """body(halves) for the alignment of the call's block inputs: inputs are (pointer, Operand)
+    of a kernel; the blocks whose vectors of w elements are wider than HALF_BYTES count (rows,
+    read from L1 once per vector, measured no faster as halves). Where there are fewer than
+    `least`: body(False). Where every one is at an ALIGNED_BYTES boundary with a pitch of a
+    multiple of it: body(False), whole-vector loads; else body(True), the blocks' loads as
+    halves. The check is a run-time branch between the two bodies, or none where a pitch
+    makes every other row unaligned whatever its base: then body(True) alone."""
+    wide = [(ptr, o) for ptr, o in inputs if o.layout == "block"
+            and o.dtype.itemsize * w > HALF_BYTES]
+    if len(wide) < max(1, least):
+        body(False)
+        return
+    if any((o.ld * o.dtype.itemsize) % ALIGNED_BYTES for _, o in wide):
+        body(True)
+        return
+    aligned = ir.Constant(I1, 1)
+    for ptr, _ in wide:
+        low = b.and_(b.ptrtoint(ptr, I64), i64(ALIGNED_BYTES - 1))
+        aligned = b.and_(aligned, b.icmp_unsigned("==", low, i64(0)))
+    with b.if_else(aligned) as (then, otherwise):
+        with then:
+            body(False)
+        with otherwise:
+            body(True)
 
 
 def element_ptr(b, base, offset, ty):
@@ -258,13 +311,23 @@ def element_ptr(b, base, offset, ty):
     return b.gep(base, [offset], source_etype=ty)
 
 
-def load_vec(b, base, offset, ty, w: int, count: int | None = None, align: int | None = None):
+def load_vec(b, base, offset, ty, w: int, count: int | None = None, align: int | None = None,
+             halves: bool = False):
     """Load w elements of type ty (count < w: the first count lanes, the rest zero); align
-    overrides the alignment assumed (default: the element's own)."""
+    overrides the alignment assumed (default: the element's own). halves=True: a full vector
+    of more than HALF_BYTES bytes is loaded as HALF_BYTES pieces (see HALF_BYTES)."""
     vt = vec(ty, w)
     ptr = element_ptr(b, base, offset, ty)
     align = _ALIGN[str(ty)] if align is None else align
     if count is None or count >= w:
+        per = HALF_BYTES // align
+        if halves and w > per and w % per == 0:
+            pieces = [_VolatileLoad.make(b, element_ptr(b, ptr, i64(k), ty), vec(ty, per), align)
+                      for k in range(0, w, per)]
+            while len(pieces) > 1:
+                pieces = [shuffle(b, lo, hi, range(2 * lo.type.count))
+                          for lo, hi in zip(pieces[::2], pieces[1::2])]
+            return pieces[0]
         return b.load(ptr, typ=vt, align=align)
     fn = intrinsic(b.module, "llvm.masked.load", vt, [PTR, I32, vec(I1, w), vt], [vt, PTR])
     return b.call(fn, [ptr, ir.Constant(I32, align), lane_mask(w, count), const(vt, 0)])
@@ -362,8 +425,9 @@ def from_f32(b, value, dtype):
     return b.trunc(b.select(isnan, quiet, rounded), vec(I16, w))
 
 
-def load_f32(b, base, offset, dtype, w, count=None):
-    return to_f32(b, load_vec(b, base, offset, storage_type(dtype), w, count), dtype)
+def load_f32(b, base, offset, dtype, w, count=None, halves=False):
+    return to_f32(b, load_vec(b, base, offset, storage_type(dtype), w, count, halves=halves),
+                  dtype)
 
 
 def store_f32(b, value, base, offset, dtype, count=None, streaming=False):

@@ -27,9 +27,10 @@ _PAGE = 4096
 _stagger = itertools.count()
 
 
-def empty(shape, dtype=np.float32) -> np.ndarray:
-    """A C-contiguous array at a cache-line boundary, each new one at another offset in its page
-    (0, 256, 512, ... bytes), so no two arrays alias modulo 4 KiB.
+def empty(shape, dtype=np.float32, past: int = 0) -> np.ndarray:
+    """A C-contiguous array at a cache-line boundary (`past` bytes after one: numpy's own
+    arrays start 16 bytes past), each new one at another offset in its page (0, 256, 512, ...
+    bytes), so no two arrays alias modulo 4 KiB.
 
     The allocator's own placement is not neutral: two same-sized arrays allocated one after the
     other by numpy typically lie 16 bytes apart modulo 4 KiB, and glibc's memcpy (`rep movsb`)
@@ -38,13 +39,13 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     nbytes = int(np.prod(shape)) * dtype.itemsize
     offset = (next(_stagger) % 16) * 256
     buf = np.empty(nbytes + 2 * _PAGE, np.uint8)
-    start = (-buf.ctypes.data) % _PAGE + offset
+    start = (-buf.ctypes.data) % _PAGE + offset + past
     return buf[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def filled(values: np.ndarray) -> np.ndarray:
+def filled(values: np.ndarray, past: int = 0) -> np.ndarray:
     """An `empty` copy of values."""
-    out = empty(values.shape, values.dtype)
+    out = empty(values.shape, values.dtype, past)
     out[...] = values
     return out
 

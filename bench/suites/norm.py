@@ -7,6 +7,9 @@ Cases, f32, one thread (tpp and torch pinned to 1), shape rows x n:
   rms_norm fwd, rms_norm fwd+bwd    the same with ops.rms_norm_* vs F.rms_norm
   softmax fwd, softmax fwd+bwd      ops.softmax(_backward) vs torch.softmax (+ autograd.grad),
                                     on rows of 1024 and of 128 (the same element count)
+  layer_norm fwd @16B, rms_norm fwd @16B, layer_norm fwd+bwd @16B
+                       the same with every input 16 bytes past a cache line, where numpy puts
+                       its large arrays (the other cases: at one, as torch does)
   copy                 np.copyto of an array of the same size (the yardstick, provider numpy)
   fused: bias+gelu, bias+gelu+dropout, softmax
                        one tpp.equation kernel over the whole block (provider tpp) vs the same
@@ -48,6 +51,10 @@ from ._common import bandwidth_record, empty, filled, quick_sizes, team, timed_g
 SUITE = "norm"
 SIZES = {"full": ((4096, 1024), (32768, 128)), "quick": ((1024, 1024), (8192, 128)),
          "tiny": ((64, 128), (64, 128))}
+# numpy's large arrays start 16 bytes past a cache line (torch's at one): these cases take
+# their inputs there (the case name says "@16B"; tpp_cpu.irx.HALF_BYTES tells the story)
+NUMPY_PAST = 16
+UNALIGNED = (("layer_norm", False), ("rms_norm", False), ("layer_norm", True))
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,12 @@ class Case:
     backward: bool
     rows: int
     n: int
+    past: int = 0       # the inputs start this many bytes past a 64-byte boundary
 
     @property
     def name(self) -> str:
-        return f"{self.op} {'fwd+bwd' if self.backward else 'fwd'}"
+        where = f" @{self.past}B" if self.past else ""
+        return f"{self.op} {'fwd+bwd' if self.backward else 'fwd'}{where}"
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +79,7 @@ def cases(mode: str) -> list:
     (m, n), (m_short, n_short) = SIZES[mode]
     out = [Case(op, bwd, m, n) for op in ("layer_norm", "rms_norm", "softmax")
            for bwd in (False, True)]
+    out += [Case(op, bwd, m, n, NUMPY_PAST) for op, bwd in UNALIGNED]
     if (m_short, n_short) != (m, n):
         out += [Case("softmax", bwd, m_short, n_short) for bwd in (False, True)]
     return out
@@ -118,11 +128,11 @@ def _copy(ctx, shape, rng):
 
 
 def _data(case: Case, rng) -> dict:
-    m, n = case.rows, case.n
-    return {"x": filled(rng.standard_normal((m, n), dtype=np.float32) + np.float32(0.5)),
-            "dy": filled(rng.standard_normal((m, n), dtype=np.float32)),
-            "w": filled(rng.standard_normal(n, dtype=np.float32)),
-            "b": filled(rng.standard_normal(n, dtype=np.float32))}
+    m, n, past = case.rows, case.n, case.past
+    return {"x": filled(rng.standard_normal((m, n), dtype=np.float32) + np.float32(0.5), past),
+            "dy": filled(rng.standard_normal((m, n), dtype=np.float32), past),
+            "w": filled(rng.standard_normal(n, dtype=np.float32), past),
+            "b": filled(rng.standard_normal(n, dtype=np.float32), past)}
 
 
 def _tpp(case: Case, d: dict):
