@@ -470,7 +470,7 @@ class _Gen(GeneralSchedule, Pipelining):
             elif layout == "block":
                 offset = b.add(b.mul(row, i64(o.ld)), col)
                 if streaming == "whole" and count is None:
-                    _store_whole_nt(b, irx.from_f32(b, value, dt), p, offset, dt)
+                    irx.store_whole_nt(b, irx.from_f32(b, value, dt), p, offset, dt)
                 else:
                     irx.store_f32(b, value, p, offset, dt, count, streaming and count is None)
             elif layout == "vector" and nd.shape == "row":
@@ -496,7 +496,7 @@ class _Gen(GeneralSchedule, Pipelining):
 
         def body():
             if self.full and blocks:
-                irx.with_streaming(b, blocks, lambda streaming: _whole_or_pieces(
+                irx.with_streaming(b, blocks, lambda streaming: irx.whole_or_pieces(
                     b, blocks, streaming, lambda how: emit(dict(base), how)),
                     force=self.spec.stream)
             else:
@@ -568,41 +568,6 @@ class _Gen(GeneralSchedule, Pipelining):
                 self.store_outputs(dict(memo), row, col, count, ("block",), streaming,
                                    self.depth + 1, g, self.down)
         self.chunks(body)
-
-# Whole-vector non-temporal stores: irx.with_streaming's stores are 16-byte pieces (numpy only
-# promises 16-byte alignment), four stores and three extracts per 64-byte vector; where every
-# block output is 64-byte aligned with a pitch of whole 64-byte lines (ops.norms allocates its
-# large outputs so, torch aligns to 64) one store per vector does it: 4096 x 1024 f32 softmax,
-# whose output pass is otherwise that store, 1.5 -> 1.3 ms.
-WHOLE_BYTES = 64
-
-
-def _whole_or_pieces(b, blocks, streaming, body):
-    """body("whole") behind a run-time check that every output is WHOLE_BYTES-aligned (when
-    streaming and every pitch allows it), else body(streaming)."""
-    if not streaming or any(pitch % WHOLE_BYTES for _, _, pitch in blocks):
-        body(streaming)
-        return
-    aligned = ir.Constant(ir.IntType(1), 1)
-    for ptr, _, _ in blocks:
-        low = b.and_(b.ptrtoint(ptr, irx.I64), i64(WHOLE_BYTES - 1))
-        aligned = b.and_(aligned, b.icmp_unsigned("==", low, i64(0)))
-    with b.if_else(aligned) as (then, otherwise):
-        with then:
-            body("whole")
-        with otherwise:
-            body(streaming)
-
-
-def _store_whole_nt(b, value, base, offset, dtype):
-    """One non-temporal store of a whole vector of dtype's storage type (aligned to its size:
-    64 bytes of f32, 32 of bf16, by _whole_or_pieces' check; LLVM 22 still writes the bf16
-    one as two 16-byte stores)."""
-    ptr = irx.element_ptr(b, base, offset, irx.storage_type(dtype))
-    size = value.type.count * dtype.itemsize
-    flag = b.module.add_metadata([ir.Constant(I32, 1)])
-    b.store(value, ptr, align=size).set_metadata("nontemporal", flag)
-
 
 def generate(spec, target, symbol: str) -> ir.Module:
     return _Gen(spec, target, symbol).generate()

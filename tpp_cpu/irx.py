@@ -279,6 +279,15 @@ class _VolatileLoad(ir.LoadInstr):
                    f"align {self.align}{self._stringify_metadata(leading_comma=True)}\n")
 
 
+def all_aligned(b, pointers, boundary: int):
+    """An i1: every pointer is at a multiple of `boundary` bytes (a power of two)."""
+    aligned = ir.Constant(I1, 1)
+    for ptr in pointers:
+        low = b.and_(b.ptrtoint(ptr, I64), i64(boundary - 1))
+        aligned = b.and_(aligned, b.icmp_unsigned("==", low, i64(0)))
+    return aligned
+
+
 def by_input_alignment(b, inputs, w: int, body, least: int = 1):
     """body(halves) for the alignment of the call's block inputs: inputs are (pointer, Operand)
     of a kernel; the blocks whose vectors of w elements are wider than HALF_BYTES count (rows,
@@ -295,10 +304,7 @@ def by_input_alignment(b, inputs, w: int, body, least: int = 1):
     if any((o.ld * o.dtype.itemsize) % ALIGNED_BYTES for _, o in wide):
         body(True)
         return
-    aligned = ir.Constant(I1, 1)
-    for ptr, _ in wide:
-        low = b.and_(b.ptrtoint(ptr, I64), i64(ALIGNED_BYTES - 1))
-        aligned = b.and_(aligned, b.icmp_unsigned("==", low, i64(0)))
+    aligned = all_aligned(b, [ptr for ptr, _ in wide], ALIGNED_BYTES)
     with b.if_else(aligned) as (then, otherwise):
         with then:
             body(False)
@@ -432,6 +438,38 @@ def load_f32(b, base, offset, dtype, w, count=None, halves=False):
 
 def store_f32(b, value, base, offset, dtype, count=None, streaming=False):
     store_vec(b, from_f32(b, value, dtype), base, offset, count, streaming)
+
+
+# Whole-vector non-temporal stores: with_streaming's stores are 16-byte pieces (numpy only
+# promises 16-byte alignment), four stores and three extracts per 64-byte vector; where every
+# block output is 64-byte aligned with a pitch of whole 64-byte lines (ops.norms allocates its
+# large outputs so, torch aligns to 64) one store per vector does it: 4096 x 1024 f32 softmax,
+# whose output pass is otherwise that store, 1.5 -> 1.3 ms.
+WHOLE_BYTES = 64
+
+
+def whole_or_pieces(b, blocks, streaming, body):
+    """body("whole") behind a run-time check that every output is WHOLE_BYTES-aligned (when
+    streaming and every pitch allows it), else body(streaming)."""
+    if not streaming or any(pitch % WHOLE_BYTES for _, _, pitch in blocks):
+        body(streaming)
+        return
+    aligned = all_aligned(b, [ptr for ptr, _, _ in blocks], WHOLE_BYTES)
+    with b.if_else(aligned) as (then, otherwise):
+        with then:
+            body("whole")
+        with otherwise:
+            body(streaming)
+
+
+def store_whole_nt(b, value, base, offset, dtype):
+    """One non-temporal store of a whole vector of dtype's storage type (aligned to its size:
+    64 bytes of f32, 32 of bf16, by whole_or_pieces' check; LLVM 22 still writes the bf16
+    one as two 16-byte stores)."""
+    ptr = element_ptr(b, base, offset, storage_type(dtype))
+    size = value.type.count * dtype.itemsize
+    flag = b.module.add_metadata([ir.Constant(I32, 1)])
+    b.store(value, ptr, align=size).set_metadata("nontemporal", flag)
 
 
 # ---------------------------------------------------------------- the kernel ABI
