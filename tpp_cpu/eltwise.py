@@ -90,6 +90,7 @@ def generate(spec, target, symbol: str) -> ir.Module:
 
     blocks_out = [(ptrs[k], op.rows, op.ld * op.dtype.itemsize)
                   for k, op in enumerate(operands) if op.role == "out" and op.layout == "block"]
+
     def body(as_halves):
         halves[0] = as_halves
         if full:
