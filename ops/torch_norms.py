@@ -29,7 +29,7 @@ them), empty tensors, a 0-d softmax input, rows wider than ops.norms.MAX_GRAD_CO
 differentiable (create_graph=True: the gradients are recomputed with torch's operators so
 that autograd can differentiate them again). Shapes that do not match (normalized_shape vs
 the input's trailing dimensions, a weight of another shape) raise
-tpp.core.errors.ArgumentError (a ValueError).
+tpp.core.errors.ArgumentError (a ValueError, and a RuntimeError as torch's error is).
 """
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
         return F.softmax(input, dim)
     nd = input.dim()
     if isinstance(dim, bool) or not isinstance(dim, int) or not -nd <= dim < nd:
-        raise ArgumentError(f"dim must be an int in [{-nd}, {nd}), got {dim!r}")
+        return F.softmax(input, dim)        # torch's own error (IndexError, TypeError)
     dim %= nd
     x = input if dim == nd - 1 else input.transpose(dim, -1)
     if _wants_grad(x):

@@ -182,3 +182,26 @@ def test_conv2d_padding_torch_refuses_is_refused():
     m.padding = (1, 1, 2, 2)            # ops.conv's 4-tuple: not torch's
     with pytest.raises(RuntimeError, match="padding"):
         m(torch.randn(1, 2, 5, 5))
+
+
+def test_drop_in_shape_errors_are_caught_as_torchs_are():
+    """Where torch raises RuntimeError for a shape that does not fit (IndexError for a dim out
+    of range), a drop-in's error is caught by the same except clause."""
+    cases = [
+        (ot.Linear(4, 5), torch.nn.Linear(4, 5), (torch.randn(3, 6),)),
+        (ot.LayerNorm(8), torch.nn.LayerNorm(8), (torch.randn(3, 7),)),
+        (ot.RMSNorm(8), torch.nn.RMSNorm(8), (torch.randn(3, 7),)),
+        (ot.Conv2d(3, 4, 3), torch.nn.Conv2d(3, 4, 3), (torch.randn(1, 5, 8, 8),)),
+    ]
+    for ours, theirs, args in cases:
+        with pytest.raises(RuntimeError):
+            theirs(*args)
+        with pytest.raises(RuntimeError) as caught:
+            ours(*args)
+        assert isinstance(caught.value, ArgumentError)     # and a ValueError, as before
+    x = torch.randn(3, 7)
+    for dim in (2, -3):
+        with pytest.raises(IndexError):
+            torch.softmax(x, dim)
+        with pytest.raises(IndexError):
+            ot.softmax(x, dim)

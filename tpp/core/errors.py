@@ -13,8 +13,11 @@ class SpecError(TPPError, ValueError):
     """A primitive description is invalid (unknown op, negative size, ld < n, ...)."""
 
 
-class ArgumentError(TPPError, ValueError):
-    """A call received arrays that do not match the primitive's spec."""
+class ArgumentError(TPPError, ValueError, RuntimeError):
+    """A call received arrays that do not match the primitive's spec (or an operator's
+    contract). Also a RuntimeError: torch raises RuntimeError for the same mistakes (shapes
+    that do not match a weight, a normalized_shape, a channel count), so code written around
+    a torch module catches the drop-in's errors as it caught torch's."""
 
 
 class UnsupportedError(TPPError, NotImplementedError):
