@@ -51,9 +51,13 @@ time, software-pipelined: one loop over the columns evaluates pass 1 of row t (r
 memory, PIPE_PREFETCH rows ahead prefetched), pass 2 of row t - 1, ..., and the outputs of row
 t - depth (emit_pipelined). The passes are compute-bound on different ports (softmax: the max
 on the FADD ports, exp on the FMA ones) and the memory reads of one row overlap the arithmetic
-on the others; one accumulator per reduction (PIPE_UNROLL, in every row of such a kernel),
-the other rows' work filling its latency. f32 softmax, one thread, the bench's figures:
-4096 x 1024 x1.80 -> x2.17 torch, 32768 x 128 (instead of row groups) x1.60 -> x2.04. Light
+on the others; PIPE_UNROLL accumulators per reduction (in every row of such a kernel), the
+other rows' work filling their latency. f32 softmax, one thread, the bench's figures:
+4096 x 1024 x1.80 -> x2.17 torch, 32768 x 128 (instead of row groups) x1.60 -> x2.04. Two
+accumulators rather than one: a NaN-propagating max (llvm.maximum: vmaxps, a compare of the
+accumulator with itself, a masked move) is a ~7-cycle chain per vector on Zen 5, longer than
+the rest of softmax's loop body; 4096 x 1024 softmax forward 60.4-60.5 -> 67.7-71.6 GB/s
+(32768 x 128 and attention level; four accumulators measured as two). Light
 kernels (LayerNorm's, RMSNorm's passes: 2-4 operations) measured 5-30 % slower pipelined
 (three or more rows of a block in flight crowd the L1 sets that rows 4 KiB apart share) and
 keep the plain schedule.
@@ -96,7 +100,7 @@ PREFETCH_OPS = 4          # block operations per vector from which pass 2 prefet
 FMA_SUMS = True           # sums of products accumulate with fma (_product)
 PIPELINE = True           # software-pipeline the rowwise passes over the rows (emit_pipelined)
 PIPE_OPS = 8              # ... when one of its passes does this many vector operations or more
-PIPE_UNROLL = 1           # accumulators per reduction in the pipelined loop
+PIPE_UNROLL = 2           # accumulators per reduction in the pipelined loop
 PIPE_LOCALITY = 3         # llvm.prefetch's locality for those
 
 
