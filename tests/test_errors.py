@@ -179,6 +179,22 @@ def test_numpy_scalars_as_parameters_and_what_is_not_a_number():
         ops.softmax(x, scale="0.5")
 
 
+def test_parameters_beyond_the_f32_range_are_refused_not_made_infinite():
+    """A finite parameter the f32 kernel would hold as an infinity is refused; inf and nan
+    themselves are values f32 holds and are taken as given (IEEE propagation)."""
+    with pytest.raises(SpecError, match="beyond the f32 range"):
+        tpp.unary("leaky_relu", 2, 16, alpha=-1e40)
+    assert dict(tpp.unary("leaky_relu", 2, 16, alpha=3.4e38).spec.params)["alpha"] == 3.4e38
+    eq = tpp.equation(2, 16)
+    k = eq.compile(eq.input("x") * eq.param("p"))
+    x = np.ones((2, 16), np.float32)
+    for _ in range(2):                              # the first call and the cached one
+        with pytest.raises(ArgumentError, match="beyond the f32 range"):
+            k(x=x, p=1e40)
+    assert np.isinf(k(x=x, p=float("inf"))).all() and np.isnan(k(x=x, p=float("nan"))).all()
+    np.testing.assert_array_equal(k(x=x, p=3.0e38), np.full((2, 16), np.float32(3.0e38)))
+
+
 def test_nest_refuses_an_output_requiring_grad_while_autograd_records():
     torch = pytest.importorskip("torch")
     nest = tpp.LoopNest("A", a=1)

@@ -32,6 +32,15 @@ I64 = DType("i64", np.dtype(np.int64), 8, "int64")
 U8 = DType("u8", np.dtype(np.uint8), 1, "uint8")
 
 FLOAT_DTYPES = (F32, BF16, F16)
+# the smallest magnitude that rounds to an f32 infinity (to nearest even: halfway between the
+# largest finite f32, (2 - 2**-23) * 2**127, and 2**128)
+F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
+
+
+def overflows_f32(value: float) -> bool:
+    """Whether a finite number becomes an infinity in f32 (a parameter that would silently
+    turn into inf: callers refuse it; inf and nan themselves are values f32 holds)."""
+    return abs(value) >= F32_OVERFLOW and value == value and abs(value) != float("inf")
 """The dtypes a user may choose for data operands."""
 
 _BY_KEY: dict = {}

@@ -41,6 +41,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import dtypes as _dt
 from . import expr as X
 from .errors import SpecError
 
@@ -290,6 +291,9 @@ def check_params(op: OpInfo, given: dict) -> tuple:
                                                                               np.floating)):
                 raise SpecError(f"{op.name}: {key} must be a number, got {value!r}")
             merged[key] = float(value)
+            if _dt.overflows_f32(merged[key]):
+                raise SpecError(f"{op.name}: {key}={value!r} is beyond the f32 range (the "
+                                f"kernel computes in f32; |{key}| < 3.4e38)")
         elif isinstance(default, int):
             if value not in (0, 1) or isinstance(value, (bool, np.bool_)):
                 raise SpecError(f"{op.name}: {key} must be 0 or 1, got {value!r}")

@@ -282,6 +282,9 @@ def _scalar(value, name):
     if isinstance(value, bool):
         raise ArgumentError(f"{name} must be a number, got {value!r}")
     if isinstance(value, (int, float, np.floating, np.integer)):
+        if _dt.overflows_f32(float(value)):
+            raise ArgumentError(f"{name}={value!r} is beyond the f32 range of the equation's "
+                                f"params (|{name}| < 3.4e38)")
         return np.full((), value, np.float32)
     return value
 
