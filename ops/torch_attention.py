@@ -196,8 +196,8 @@ def _mask4(mask, query, full, batch):
         return None
     if mask.dtype not in (torch.bool, torch.float32, query.dtype) or _wants_grad(mask):
         return None
-    if _host.torchs_to_dispatch((mask,)) or mask.dim() > len(full):
-        return None
+    if _host.torchs_to_dispatch((mask,)) or not 2 <= mask.dim() <= len(full):
+        return None         # (torch refuses a mask of fewer than two dims: its error)
     shape = (1,) * (len(full) - mask.dim()) + tuple(mask.shape)
     if any(m not in (1, f) for m, f in zip(shape, full)):
         return None
@@ -225,6 +225,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     probabilities when dropout_p > 0. Returns a tensor of query's shape, dtype and device (the
     value head size equals the query's on the TPP path). See the module docstring for the
     cases torch's own kernel serves; is_causal with an attn_mask raises RuntimeError."""
+    if type(is_causal) is not bool:         # torch's own answer (a TypeError for a tensor)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                              is_causal, scale=scale, enable_gqa=enable_gqa)
     if is_causal and attn_mask is not None:
         raise RuntimeError(_CAUSAL_WITH_MASK)
     plan = _plan(query, key, value, attn_mask, dropout_p, scale, enable_gqa)

@@ -205,3 +205,17 @@ def test_drop_in_shape_errors_are_caught_as_torchs_are():
             torch.softmax(x, dim)
         with pytest.raises(IndexError):
             ot.softmax(x, dim)
+
+
+def test_attention_arguments_torch_refuses_are_refused_as_torch_does():
+    """A 1-D attn_mask (torch: IndexError) and an is_causal that is not a bool (torch:
+    TypeError) reach torch's own kernel, which raises; they were taken before."""
+    import torch.nn.functional as F
+    q, k = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 5, 8)
+    mask = torch.tensor([True, False, True, True, False])
+    for sdpa in (F.scaled_dot_product_attention, ot.scaled_dot_product_attention):
+        with pytest.raises(IndexError):
+            sdpa(q, k, k, attn_mask=mask)
+        for flag in (torch.tensor(True), 1):
+            with pytest.raises(TypeError):
+                sdpa(q, k, k, is_causal=flag)
