@@ -51,7 +51,7 @@ from ops.matmul import ACTIVATIONS
 from ops.mlp import check_packed
 from ops.mlp import forward_checked as _forward_checked
 from tpp.core import checks
-from tpp.core.errors import ArgumentError, UnsupportedError
+from tpp.core.errors import ArgumentError, ArgumentTypeError, UnsupportedError
 
 __all__ = ["LinearFunction", "Linear", "MLP", "linear", "LayerNorm", "RMSNorm", "layer_norm",
            "rms_norm", "softmax", "scaled_dot_product_attention", "MultiheadAttention",
@@ -72,7 +72,7 @@ def _check_tensor(t, name):
     """A torch tensor of a supported dtype, on any device (the backend of a device that cannot
     run it raises UnsupportedError when the nests compile or allocate)."""
     if not isinstance(t, torch.Tensor):
-        raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _DTYPES:
         raise UnsupportedError(f"{name}: dtype {t.dtype} is not supported; ops.torch supports "
                                f"torch.float32 and torch.bfloat16")

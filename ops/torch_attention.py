@@ -172,8 +172,9 @@ def _plan(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(e)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        return None
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) \
+            or not math.isfinite(scale):
+        return None         # (torch computes an inf or nan scale as given)
     mask = None
     if attn_mask is not None:
         mask = _mask4(attn_mask, query, (*lead, length, s), batch)

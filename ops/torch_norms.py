@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from tpp.core.errors import ArgumentError
+from tpp.core.errors import ArgumentError, ArgumentTypeError
 
 from . import _host
 from . import norm_plans as _plans
@@ -176,7 +176,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
             return y
     shape = _normalized(normalized_shape)
     if not isinstance(input, torch.Tensor):
-        raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+        raise ArgumentTypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
     if not _servable(input, weight, bias) or input.numel() == 0 or _too_wide(shape, weight,
                                                                                bias):
         return F.layer_norm(input, shape, weight, bias, eps)
@@ -230,7 +230,7 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
             return y
     shape = _normalized(normalized_shape)
     if not isinstance(input, torch.Tensor):
-        raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+        raise ArgumentTypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
     if not _servable(input, weight) or input.numel() == 0 or _too_wide(shape, weight):
         return F.rms_norm(input, shape, weight, eps)
     _check_shapes(input, shape, weight, None)
@@ -272,7 +272,7 @@ def softmax(input, dim=None, _stacklevel=3, dtype=None):
     """torch.nn.functional.softmax(input, dim, dtype=dtype) on TPPs (its signature; dtype:
     input is cast to it first; dim=None takes torch's own path, with its implicit-dim rule)."""
     if not isinstance(input, torch.Tensor):
-        raise ArgumentError(f"input: expected a torch.Tensor, got {type(input).__name__}")
+        raise ArgumentTypeError(f"input: expected a torch.Tensor, got {type(input).__name__}")
     if dim is None:
         return F.softmax(input, dim, _stacklevel + 1, dtype=dtype)
     if type(input) is torch.Tensor and dtype is None and type(dim) is int and (

@@ -219,3 +219,20 @@ def test_attention_arguments_torch_refuses_are_refused_as_torch_does():
         for flag in (torch.tensor(True), 1):
             with pytest.raises(TypeError):
                 sdpa(q, k, k, is_causal=flag)
+
+
+def test_what_torch_takes_or_refuses_by_kind_and_value():
+    """Not a tensor: a TypeError (and an ArgumentError), as torch's. A non-finite attention
+    scale: torch's own result (it computes one), not a refusal."""
+    for call in (lambda: ot.linear([1.0] * 4, torch.randn(3, 4)),
+                 lambda: ot.layer_norm([1.0], (1,)), lambda: ot.rms_norm([1.0], (1,)),
+                 lambda: ot.softmax([1.0], 0), lambda: ot.LayerNorm(4)([1.0] * 4)):
+        with pytest.raises(TypeError) as caught:
+            call()
+        assert isinstance(caught.value, ArgumentError)
+    import torch.nn.functional as F
+    q = torch.randn(1, 2, 3, 8)
+    for scale in (float("nan"), float("inf")):
+        torch.testing.assert_close(ot.scaled_dot_product_attention(q, q, q, scale=scale),
+                                   F.scaled_dot_product_attention(q, q, q, scale=scale),
+                                   equal_nan=True)

@@ -20,6 +20,11 @@ class ArgumentError(TPPError, ValueError, RuntimeError):
     a torch module catches the drop-in's errors as it caught torch's."""
 
 
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong kind (a list where a tensor goes): also a TypeError, as
+    torch's and Python's errors for it are."""
+
+
 class UnsupportedError(TPPError, NotImplementedError):
     """A valid request that this backend or host cannot serve (dtype, ISA, device)."""
 
