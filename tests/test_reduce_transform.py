@@ -11,7 +11,7 @@ import tpp   # tests/conftest.py has set TPP_CACHE_DIR already
 
 RNG = np.random.default_rng(20240607)
 
-SHAPES = [(1, 1), (1, 17), (16, 16), (17, 17), (100, 100), (5, 100), (100, 3)] + \
+SHAPES = [(1, 1), (1, 17), (16, 16), (17, 17), (100, 100), (5, 100), (100, 3), (7, 300)] + \
     [tuple(int(v) for v in RNG.integers(1, 101, 2)) for _ in range(3)]
 DTYPES = ["f32", "bf16", "f16"]
 REDUCE_OPS = ["reduce_sum", "reduce_sumsq", "reduce_max", "reduce_min", "reduce_absmax"]
