@@ -32,12 +32,12 @@ from .irx import F32, I32, i64, vec
 
 _ROW_ACCS = 4        # independent accumulators along a row (axis=1)
 _COL_GROUP_SUM = 8   # column vectors kept in registers per group (axis=0), sums
-_COL_GROUP_CMP = 4   # the same for max/min/absmax (their AVX2 lowering needs scratch registers)
-# ... and with 32 vector registers (AVX-512): each NaN-propagating max is a chain of ~7 cycles
-# a row on Zen 5 (vmaxps, a compare of the accumulator with itself, a masked move), and 4
-# chains left the loop latency-bound: 256 x 1024 f32 reduce_max over the rows, one thread,
-# in L2, 65-68 -> 92-94 GB/s (64 x 4096: 74-76 -> 99-101), as fast as the sums
-_COL_GROUP_CMP_WIDE = 8
+# the same for max/min/absmax: each NaN-propagating max is a chain of ~7 cycles a row on Zen 5
+# (vmaxps, a compare of the accumulator with itself, a masked move), and 4 of them left the
+# loop latency-bound. 256 x 1024 f32 reduce_max over the rows, one thread, in L2, 4 -> 8:
+# AVX-512 65-68 -> 91-94 GB/s (64 x 4096: 74-76 -> 99-101), AVX2 code 44 -> 79 (55 -> 83),
+# as fast as the sums; AVX2's lowering of 8 still fits its 16 registers (no spills)
+_COL_GROUP_CMP = 8
 
 _IDENTITY = {
     "reduce_sum": -0.0,      # -0.0 + x == x for every x, so LLVM drops the first add
@@ -125,7 +125,7 @@ def generate(spec, target, symbol: str) -> ir.Module:
     if axis == 1:
         _rows(b, spec, target.lanes, src, dst)
     else:
-        _columns(b, spec, target.lanes, src, dst, target.vector_registers >= 32)
+        _columns(b, spec, target.lanes, src, dst)
     b.ret_void()
     return module
 
@@ -167,12 +167,11 @@ def _rows(b, spec, w, src, dst):
         irx.store_f32(b, total, dst, row, spec.dtype_out)
 
 
-def _columns(b, spec, w, src, dst, many_registers=False):
-    """axis=0: out[j] = reduce(in[:, j]); many_registers: the target has 32 vector registers."""
+def _columns(b, spec, w, src, dst):
+    """axis=0: out[j] = reduce(in[:, j])."""
     op, m, n, ldi = spec.op, spec.m, spec.n, spec.ldi
     identity = _IDENTITY[op]
-    group = _COL_GROUP_SUM if op in ("reduce_sum", "reduce_sumsq") else \
-        _COL_GROUP_CMP_WIDE if many_registers else _COL_GROUP_CMP
+    group = _COL_GROUP_SUM if op in ("reduce_sum", "reduce_sumsq") else _COL_GROUP_CMP
     full, tail = divmod(n, w)
     n_groups, left = divmod(full, group)
     accs = _Accs(b, max(1, min(group, full + (1 if tail else 0))), w)
