@@ -6,6 +6,7 @@ are bytes, but those are fixed by the op, not chosen by the user.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -40,7 +41,7 @@ F32_OVERFLOW = 2.0 ** 128 - 2.0 ** 103
 def overflows_f32(value: float) -> bool:
     """Whether a finite number becomes an infinity in f32 (a parameter that would silently
     turn into inf: callers refuse it; inf and nan themselves are values f32 holds)."""
-    return abs(value) >= F32_OVERFLOW and value == value and abs(value) != float("inf")
+    return math.isfinite(value) and abs(value) >= F32_OVERFLOW
 """The dtypes a user may choose for data operands."""
 
 _BY_KEY: dict = {}
