@@ -318,3 +318,33 @@ def raw_operands(spec) -> tuple:
         return tuple(ops) + (None,) * len(spec.scalars)
     by_name = {o.name: o for o in ops}
     return tuple(by_name.get(name) for name in BRGEMM_RAW) + (None,) * len(spec.scalars)
+
+
+def sizes_in(affines) -> set:
+    """The size names the Affines use (inside floor terms too)."""
+    names = set()
+    for a in affines:
+        for var, _ in a.terms:
+            if isinstance(var, str):
+                if var.startswith(SIZE):
+                    names.add(var[len(SIZE):])
+            else:
+                names |= sizes_in([var.inner])
+    return names
+
+
+def seed_only_sizes(spec: LoopNestSpec) -> frozenset:
+    """The sizes that only calls' seed arguments use (a per-call seed passed as a size): they
+    take part in no loop bound, shape, address, count or condition."""
+    seeds, other = [], [lp.stop for lp in spec.loops if lp.symbolic]
+    other += [d for t in spec.tensors for d in t.shape if isinstance(d, Affine)]
+    for call in spec.calls:
+        other += [c.expr for c in call.when]
+        names = call.spec.scalars
+        first_scalar = len(call.args) - len(names)
+        for k, a in enumerate(call.args):
+            if a is None:
+                continue
+            seed = k >= first_scalar and names[k - first_scalar] == "seed"
+            (seeds if seed else other).append(a.offset if isinstance(a, Address) else a)
+    return frozenset(sizes_in(seeds) - sizes_in(other))

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, registry
+from . import arrays, recording as _recording, registry
 from ..core import checks
 from ..core.checks import reject_unknown_call
 from ..core.errors import ArgumentError
@@ -111,6 +111,8 @@ class BrgemmKernel(KernelBase):
     # ------------------------------------------------------------ calls
     def __call__(self, a, b, c=None, *, bias=None, mask=None, offsets_a=None, offsets_b=None,
                  count=None, **unknown):
+        if _recording.active:
+            _recording.refuse(f"a {type(self).__name__} called outside a nest")
         if unknown:
             reject_unknown_call("brgemm kernel call", unknown,
                                 ("c", "bias", "mask", "offsets_a", "offsets_b", "count"))

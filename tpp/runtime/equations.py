@@ -41,6 +41,7 @@ from ..core import dtypes as _dt
 from ..core import expr as X
 from ..core.equation_spec import EquationSpec, graph_text
 from ..core.errors import ArgumentError, SpecError
+from . import recording as _recording
 from .kernel import Kernel
 
 _BCAST_SHAPE = {None: "block", "row": "row", "col": "col", "scalar": "scalar"}
@@ -241,6 +242,8 @@ class EquationKernel(Kernel):
             if len(self.output_names) > 1 else None
 
     def __call__(self, *args, seed=None, **named):
+        if _recording.active:
+            _recording.refuse(f"a {type(self).__name__} called outside a nest")
         names = self._in_names
         if len(args) > len(names):
             raise ArgumentError(f"the equation takes {len(names)} inputs ({', '.join(names)}), "

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays, registry
+from . import arrays, recording as _recording, registry
 from .device import CPU
 from ..core.checks import reject_unknown_call
 from ..core.errors import ArgumentError
@@ -172,6 +172,8 @@ class Kernel(KernelBase):
 
     # ------------------------------------------------------------ calls
     def __call__(self, *inputs, out=None, mask=None, seed=None, **unknown):
+        if _recording.active:
+            _recording.refuse(f"a {type(self).__name__} called outside a nest")
         if unknown:
             reject_unknown_call(f"{self.spec.op} kernel call", unknown, ("out", "mask", "seed"))
         fast = self._fastcall

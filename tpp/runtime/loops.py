@@ -41,15 +41,16 @@ import threading
 
 import numpy as np
 
-from . import arrays, registry
+from . import arrays, recording as _recording, registry
 from ..core import checks, loop_bounds
 from ..core import dtypes as _dt
 from ..core.errors import ArgumentError, SpecError, UnsupportedError
 from .device import CPU
 from .aliasing import aliasable_pairs
 from .lru import LRU
-from ..core.loop_spec import (LETTERS, SIZE, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
-                        affine, conditions, parse_order, raw_operands, size_symbol)
+from ..core.loop_spec import (LETTERS, Address, Affine, Call, Expr, Loop, LoopNestSpec, Tensor,
+                        affine, conditions, parse_order, raw_operands, seed_only_sizes,
+                        size_symbol, sizes_in)
 
 _RESERVED = ("threads",)     # keywords of a nest's call that no size may take
 
@@ -61,19 +62,6 @@ def size(name: str) -> Expr:
         raise SpecError(f"a size name is an identifier other than {', '.join(_RESERVED)}, "
                         f"got {name!r}")
     return size_symbol(name)
-
-
-def _sizes_in(affines) -> set:
-    """The size names the Affines use (inside floor terms too)."""
-    names = set()
-    for a in affines:
-        for var, _ in a.terms:
-            if isinstance(var, str):
-                if var.startswith(SIZE):
-                    names.add(var[len(SIZE):])
-            else:
-                names |= _sizes_in([var.inner])
-    return names
 
 
 class TensorRef:
@@ -193,7 +181,7 @@ class LoopNest:
             used += [c.expr for c in call.when]
             used += [a.offset if isinstance(a, Address) else a for a in call.args
                      if a is not None]
-        sizes = tuple(sorted(_sizes_in(used)))
+        sizes = tuple(sorted(sizes_in(used)))
         clash = set(sizes) & {t.name for t in self._tensors}
         if clash:
             raise SpecError(f"{', '.join(sorted(clash))} names both a size and a tensor; the "
@@ -226,7 +214,7 @@ class CompiledNest:
         self.spec = spec
         self.names = tuple(t.name for t in spec.tensors)
         self.sizes = spec.sizes
-        self._seed_only = _seed_only_sizes(spec)
+        self._seed_only = seed_only_sizes(spec)
         written = set()
         for call in spec.calls:
             for arg, op in zip(call.args, raw_operands(call.spec)):
@@ -384,6 +372,8 @@ class CompiledNest:
             self._checked_call(args, threads, named)
         else:
             self._int_entry(table)
+        if _recording.active:
+            _recording.nest_call(self, args, named, threads)
 
     def call(self, arrays: tuple, threads=None):
         """nest(*arrays, threads=threads) without the keyword handling (the operators' call:
@@ -393,6 +383,8 @@ class CompiledNest:
             self._checked_call(arrays, threads, {})
         else:
             self._int_entry(table)
+        if _recording.active:
+            _recording.nest_call(self, arrays, None, threads)
 
     def _fast_table(self, args, named, threads):
         """The call table (a cffi intptr_t array, for `run`) for plain arrays of a shape
@@ -536,6 +528,7 @@ class CompiledNest:
     def run(self, table):
         """Run with a table from `bind` or `_fast_table` (the arrays it was bound to must
         still be alive)."""
+        _recording.refuse("a nest ran from a table its caller bound")
         if isinstance(table, np.ndarray):
             self._entry(arrays.ffi.cast("void **", table.ctypes.data))
         else:
@@ -554,23 +547,6 @@ _TORCH_PLAIN: dict = {}     # torch.Tensor and torch.nn.Parameter -> torch.strid
 
 _DATA_FIELD, _DATA_OFFSET = arrays._DATA_FIELD, arrays._DATA_OFFSET   # (arrays.address)
 _get_ident = threading.get_ident
-
-
-def _seed_only_sizes(spec: LoopNestSpec) -> frozenset:
-    """The sizes that only calls' seed arguments use (a per-call seed passed as a size): they
-    take part in no loop bound, shape, address, count or condition."""
-    seeds, other = [], [lp.stop for lp in spec.loops if lp.symbolic]
-    other += [d for t in spec.tensors for d in t.shape if isinstance(d, Affine)]
-    for call in spec.calls:
-        other += [c.expr for c in call.when]
-        names = call.spec.scalars
-        first_scalar = len(call.args) - len(names)
-        for k, a in enumerate(call.args):
-            if a is None:
-                continue
-            seed = k >= first_scalar and names[k - first_scalar] == "seed"
-            (seeds if seed else other).append(a.offset if isinstance(a, Address) else a)
-    return frozenset(_sizes_in(seeds) - _sizes_in(other))
 
 
 def _learn_torch() -> bool:
