@@ -20,7 +20,7 @@ import types
 import numpy as np
 
 import tpp
-from tpp.runtime import arrays, device_arrays, registry
+from tpp.runtime import arrays, device_arrays, recording, registry
 from tpp.runtime.device import CPU, Device
 from tpp.runtime.device_arrays import CudaView
 from tpp.runtime.lru import LRU, also_clear
@@ -398,9 +398,19 @@ def contiguous(x):
             x = x.resolve_neg()
         if x.is_contiguous():
             return x
-        return x.contiguous() if x.is_cpu else _device_copy(x)
+        if not x.is_cpu:
+            return _device_copy(x)
+        if x.requires_grad:
+            return x.contiguous()
+        out = torch_empty(*x.shape, dtype=x.dtype)
+        recording.host(_copy, out, x)       # a step a recording replays (ops.replay)
+        return out
     x = host(x, "array", device=True)       # other device data: a DeviceView
     return x if x.is_contiguous() else _device_copy(x)
+
+
+def _copy(out, x):
+    out.copy_(x)
 
 
 def _device_copy(x):

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from tpp.runtime import recording
+
 _DUMMIES: dict = {}
 _LOCAL = threading.local()
 _SCRATCH_KEYS = 4        # scratch sets a thread keeps for its next calls
@@ -78,9 +80,14 @@ def tail(x3, block, heads, role):
     if r == 0:
         return dummy(role, (heads, block, d), x3.dtype)
     t = held(role, (n, block, d), x3.dtype)
-    t[:, :r] = x3[:, s - r:]
-    t[:, r:] = 0
+    recording.host(_fill_tail, t, x3[:, s - r:])
     return t
+
+
+def _fill_tail(t, rows):
+    r = rows.shape[1]
+    t[:, :r] = rows
+    t[:, r:] = 0
 
 
 def key_tail_mask(sk, block):

@@ -7,6 +7,7 @@ import concurrent.futures
 import itertools
 
 import tpp
+from tpp.runtime import recording
 
 
 TEAM_CHUNK_FLOPS = 64e6     # smaller chunks whose heads split evenly run on the team, in order
@@ -32,6 +33,7 @@ def schedule(chunks, serial, run, scratch, heads=1, chunk_flops=0.0):
         for c in range(count):
             run(c, arrays, 1 if serial else None)
         return
+    recording.refuse("attention spread its chunks over Python threads")
     counter = itertools.count()
 
     def worker():

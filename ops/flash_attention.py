@@ -95,6 +95,7 @@ import numpy as np
 
 import tpp
 from tpp.runtime import arrays as _arrays
+from tpp.runtime import recording
 from tpp.core import dtypes as _dt
 from tpp.core.errors import ArgumentError
 from tpp.runtime.lru import also_clear
@@ -394,16 +395,22 @@ def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
         return device_forward(pr)
     b, h, hk, sq, sk, d, dt = pr.b, pr.h, pr.hk, pr.sq, pr.sk, pr.d, pr.dt
     BQ = BK = pr.block      # noqa: N806  (query and key block rows, as in the nests)
-    out = np.empty((b, h, sq, d), dt.numpy)
+    # torch allocates a torch caller's output: a recording sees it made (ops.replay)
+    if pr.torch:
+        import torch
+        result = _host.torch_empty(b, h, sq, d, dtype=getattr(torch, dt.torch_name))
+    else:
+        result = np.empty((b, h, sq, d), dt.numpy)
+    out = _numpy(result)
     nq = -(-sq // BQ)
     nk = -(-sk // BK)
     lse_p = np.empty((b * h, max(nq, 1) * BQ), np.float32)
     if b * h and sq:
         _forward_run(pr, out.reshape(b * h, sq, d), lse_p, nq, nk)
     if not want_lse:        # attention(): the log-sum-exp is not returned
-        return _result(out, pr.torch), None
+        return result, None
     lse = np.ascontiguousarray(lse_p[:, :sq]).reshape(b, h, sq)
-    return _result(out, pr.torch), _result(lse, pr.torch)
+    return result, _result(lse, pr.torch)
 
 
 def _forward_run(pr, out3, lse_p, nq, nk):
@@ -451,7 +458,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
     schedule(pr.chunks, pr.serial, run, scratch, hc, pr.chunk_flops)
     if pr.sq % BQ:
         r = pr.sq % BQ
-        out3[:, pr.sq - r:] = outt[:, :r]
+        recording.host(np.copyto, out3[:, pr.sq - r:], outt[:, :r])
 
 
 def _run_chunk(pr, nest, arrays, c, masks, nq, threads):

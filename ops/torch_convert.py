@@ -332,3 +332,4 @@ def invalidate_packed(model: torch.nn.Module) -> None:
             d["_tpp_packs"] = None
         if d.get("_tpp_packed"):
             d["_tpp_packed"] = {}
+        d.pop("_tpp_replay", None)      # a converted BERT layer's replays (ops.replay)

@@ -251,7 +251,7 @@ def _swap(module, mixin):
 
 class _Converted:
     """What every converted block shares: the packed-weight cache (derived data, never
-    pickled) and pickling by (mixin, original class)."""
+    pickled, as a layer's replays are not) and pickling by (mixin, original class)."""
 
     _tpp_base = None
     _tpp_mixin = None
@@ -272,6 +272,7 @@ class _Converted:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_tpp_packed"] = {}
+        state.pop("_tpp_replay", None)      # a converted layer's replays (ops.replay)
         return state
 
     def __reduce_ex__(self, protocol):
@@ -283,7 +284,7 @@ class _Converted:
 def _split_heads(qkv, b, length, heads):
     """qkv rows (B * L, 3 * E) -> q, k, v contiguous (B, H, L, Dh)."""
     dh = qkv.shape[-1] // (3 * heads)
-    t = qkv.view(b, length, 3, heads, dh).permute(2, 0, 3, 1, 4).contiguous()
+    t = _host.contiguous(qkv.view(b, length, 3, heads, dh).permute(2, 0, 3, 1, 4))
     return t[0], t[1], t[2]
 
 
@@ -439,8 +440,8 @@ class SelfAttentionMixin(_Converted):
             qh, kh, vh = (self._linear(n, x2, lin).view(b, length, heads, -1).transpose(1, 2)
                           for n, lin in (("query", q), ("key", k), ("value", v)))
         o = scaled_dot_product_attention(qh, kh, vh, mask, p, False,
-                                         scale=getattr(self, "scaling", None))
-        return o.permute(0, 2, 1, 3).reshape(b, length, e)
+                                         scale=getattr(self, "scaling", None)).permute(0, 2, 1, 3)
+        return _host.contiguous(o).view(b, length, e)
 
     def _qkv(self, x2, weights, grad):
         """x2 @ [Wq; Wk; Wv]^T + [bq; bk; bv] as one GEMM; weights: the (weight, bias) pairs

@@ -21,6 +21,12 @@ arrays for attention). The bf16 GEMMs there run 25-37% slower than with their we
 (each layer's 3.5 MB of weights comes from L3 every sentence), and the attention nest is as
 fast in bf16 as in f32 at these lengths (its per-head transforms and exp, not its products,
 dominate).
+
+So an inference call without a mask replays its recorded nest calls (ops.replay) once the
+layer has seen that input shape twice: the key (~1 us) and the layer's state check
+(replay.StateWatch, ~10 us) are what is left of the ~230 us of Python a 16-token layer took
+(the same 32 sentences, one thread: Python 51 -> 14-17 ms in all, bf16 182 -> 148-151 ms,
+f32 298 -> 254 ms).
 """
 from __future__ import annotations
 
@@ -28,8 +34,10 @@ import inspect
 
 import torch
 
-from ops.torch_hf import (IntermediateMixin, OutputMixin, SelfAttentionMixin, _cannot_serve,
-                          _children, _Converted, _hooked, _params, _swap)
+import tpp
+from ops import replay
+from ops.torch_hf import (IntermediateMixin, OutputMixin, SelfAttentionMixin, _autocast,
+                          _cannot_serve, _children, _Converted, _hooked, _params, _swap)
 from ops.torch_hf import register as _register_converters
 
 __all__ = ["CONVERTER", "LayerMixin", "register"]
@@ -86,11 +94,37 @@ class LayerMixin(_Converted):
         out = None
         if encoder_hidden_states is None and encoder_attention_mask is None and \
                 all(c is None for c in cache):
-            out = self._fused(hidden_states, attention_mask, kwargs)
+            key = self._replay_key(hidden_states, attention_mask, kwargs)
+            if key is None:
+                out = self._fused(hidden_states, attention_mask, kwargs)
+            else:
+                out = self._replayer().run(key, self._fused_alone, hidden_states)
         if out is None:
             return super().forward(hidden_states, attention_mask, encoder_hidden_states,
                                    encoder_attention_mask, *cache, **kwargs)
         return out
+
+    def _replay_key(self, x, mask, kwargs):
+        """The signature under which an inference call replays its nests (ops.replay), or
+        None: no mask, no other inputs, no autograd, eval mode, x a contiguous CPU tensor."""
+        if (mask is not None or self.training or torch.is_grad_enabled()
+                or any(v is not None for v in kwargs.values()) or type(x) is not torch.Tensor
+                or not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous()
+                or x.is_neg() or _autocast()):
+            return None
+        return x.shape, x.dtype, tpp.get_num_threads(), torch.get_num_threads()
+
+    def _replayer(self):
+        """This layer's replays (ops.replay), forgotten whenever the layer changed."""
+        got = self.__dict__.get("_tpp_replay")
+        if got is None:
+            got = self.__dict__["_tpp_replay"] = (replay.Replayer(), replay.StateWatch(self))
+        if got[1].changed():
+            got[0].clear()
+        return got[0]
+
+    def _fused_alone(self, x):
+        return self._fused(x, None, {})
 
     def _fused(self, x, mask, kwargs):
         if self.chunk_size_feed_forward:
