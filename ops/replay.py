@@ -33,10 +33,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tpp
 from tpp.runtime import arrays as _arrays
 from tpp.runtime import recording
 
-__all__ = ["Graph", "Replayer", "StateWatch", "capture", "validate"]
+__all__ = ["Graph", "Replayer", "StateWatch", "capture", "for_module", "inference_key",
+           "validate"]
 
 MAX_GRAPHS = 64
 MAX_ARENA_BYTES = 64 << 20     # a thread's arena lives as long as the thread: large inputs,
@@ -312,3 +314,29 @@ class StateWatch:
 
 _VERSION = operator.attrgetter("_version")
 
+
+def inference_key(module, x):
+    """The part of a replay key every module shares, for a call on x: (shape, dtype, thread
+    counts), or None where the call is not one to replay: train mode, autograd on, autocast,
+    x not a contiguous CPU tensor."""
+    if (module.training or torch.is_grad_enabled() or type(x) is not torch.Tensor
+            or not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous()
+            or x.is_neg() or _autocast()):
+        return None
+    return x.shape, x.dtype, tpp.get_num_threads(), torch.get_num_threads()
+
+
+def _autocast() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled()
+
+
+def for_module(module) -> Replayer:
+    """module's Replayer, kept in its __dict__ as "_tpp_replay" (which the converted modules'
+    __getstate__ leaves out: copies and pickles start without graphs) and emptied whenever
+    the module changed (StateWatch)."""
+    got = module.__dict__.get("_tpp_replay")
+    if got is None:
+        got = module.__dict__["_tpp_replay"] = (Replayer(), StateWatch(module))
+    if got[1].changed():
+        got[0].clear()
+    return got[0]

@@ -34,10 +34,9 @@ import inspect
 
 import torch
 
-import tpp
 from ops import replay
-from ops.torch_hf import (IntermediateMixin, OutputMixin, SelfAttentionMixin, _autocast,
-                          _cannot_serve, _children, _Converted, _hooked, _params, _swap)
+from ops.torch_hf import (IntermediateMixin, OutputMixin, SelfAttentionMixin, _cannot_serve,
+                          _children, _Converted, _hooked, _params, _swap)
 from ops.torch_hf import register as _register_converters
 
 __all__ = ["CONVERTER", "LayerMixin", "register"]
@@ -98,7 +97,7 @@ class LayerMixin(_Converted):
             if key is None:
                 out = self._fused(hidden_states, attention_mask, kwargs)
             else:
-                out = self._replayer().run(key, self._fused_alone, hidden_states)
+                out = replay.for_module(self).run(key, self._fused_alone, hidden_states)
         if out is None:
             return super().forward(hidden_states, attention_mask, encoder_hidden_states,
                                    encoder_attention_mask, *cache, **kwargs)
@@ -106,22 +105,10 @@ class LayerMixin(_Converted):
 
     def _replay_key(self, x, mask, kwargs):
         """The signature under which an inference call replays its nests (ops.replay), or
-        None: no mask, no other inputs, no autograd, eval mode, x a contiguous CPU tensor."""
-        if (mask is not None or self.training or torch.is_grad_enabled()
-                or any(v is not None for v in kwargs.values()) or type(x) is not torch.Tensor
-                or not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous()
-                or x.is_neg() or _autocast()):
+        None: no mask, no other inputs (replay.inference_key has the rest)."""
+        if mask is not None or any(v is not None for v in kwargs.values()):
             return None
-        return x.shape, x.dtype, tpp.get_num_threads(), torch.get_num_threads()
-
-    def _replayer(self):
-        """This layer's replays (ops.replay), forgotten whenever the layer changed."""
-        got = self.__dict__.get("_tpp_replay")
-        if got is None:
-            got = self.__dict__["_tpp_replay"] = (replay.Replayer(), replay.StateWatch(self))
-        if got[1].changed():
-            got[0].clear()
-        return got[0]
+        return replay.inference_key(self, x)
 
     def _fused_alone(self, x):
         return self._fused(x, None, {})

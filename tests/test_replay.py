@@ -157,6 +157,34 @@ def test_a_state_watch_sees_what_a_forward_reads():
     assert not watch.changed()
 
 
+@pytest.mark.parametrize("batch_first,norm_first,act,shape", [
+    (True, False, "gelu", (2, 7, 64)), (False, True, "relu", (9, 3, 64)),
+    (True, True, "gelu", (5, 64))])        # unbatched
+def test_the_encoder_layer_replays_calls_without_masks(batch_first, norm_first, act, shape):
+    torch.manual_seed(1)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 96, batch_first=batch_first,
+                                             norm_first=norm_first, activation=act).eval()
+    fast = ops.torch.optimize(copy.deepcopy(layer))
+    x = torch.randn(shape)
+    with torch.no_grad():
+        outs = [fast(x) for _ in range(4)]
+        y = torch.randn(shape)
+        assert torch.equal(fast(y), copy.deepcopy(fast)(y))     # a replay, a plain forward
+        for got in outs[1:]:
+            assert torch.equal(got, outs[0])
+        torch.testing.assert_close(outs[0], layer(x), rtol=1e-4, atol=1e-4)
+        graphs = [g for g in fast.__dict__["_tpp_replay"][0]._graphs.values()
+                  if type(g) is replay.Graph]
+        assert len(graphs) == 1 and graphs[0].validated
+        pad = torch.zeros(shape[:-1], dtype=torch.bool).transpose(0, 1 - batch_first) \
+            if len(shape) == 3 else torch.zeros(shape[0], dtype=torch.bool)
+        pad[..., -1] = True
+        for _ in range(3):      # a mask: the plain forward every call
+            torch.testing.assert_close(fast(x, src_key_padding_mask=pad),
+                                       layer(x, src_key_padding_mask=pad),
+                                       rtol=1e-4, atol=1e-4)
+
+
 transformers = pytest.importorskip("transformers")
 
 
