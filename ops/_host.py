@@ -462,6 +462,11 @@ def _count_step(optimizer, args, kwargs):
     _OPTIMIZER_STEPS[0] += 1
 
 
+def optimizer_steps() -> int:
+    """The torch.optim steps taken in this process so far (counted once weight_key ran)."""
+    return _OPTIMIZER_STEPS[0]
+
+
 def weight_key(w, fresh: bool = False) -> tuple:
     """What identifies a torch weight's values to a packed copy of it: storage address, version
     counter (in-place writes bump it), the count of optimizer steps taken in the process

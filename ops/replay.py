@@ -37,6 +37,8 @@ import tpp
 from tpp.runtime import arrays as _arrays
 from tpp.runtime import recording
 
+from . import _host
+
 __all__ = ["Graph", "Replayer", "StateWatch", "capture", "for_module", "inference_key",
            "validate"]
 
@@ -112,18 +114,20 @@ def _view(spec, bases):
 
 
 def _arena(nbytes):
-    """The address of this thread's scratch arena, grown to nbytes (64-byte aligned)."""
+    """The address of this thread's scratch arena, grown to nbytes (64-byte aligned; numpy
+    memory, which no torch mode marks: an inference tensor could not be written outside
+    inference mode)."""
     have = getattr(_LOCAL, "arena", None)
     if have is None or have[1] < nbytes:
-        buf = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
-        have = _LOCAL.arena = (buf, nbytes, buf.data_ptr() + (-buf.data_ptr() % _ALIGN))
+        buf = np.empty(nbytes + _ALIGN, np.uint8)
+        start = -buf.ctypes.data % _ALIGN
+        have = _LOCAL.arena = (buf[start:start + nbytes], nbytes, buf.ctypes.data + start)
     return have[2]
 
 
 def _poison_arena(nbytes):
-    base = _arena(nbytes)
-    buf = _LOCAL.arena[0]
-    buf[base - buf.data_ptr():base - buf.data_ptr() + nbytes].fill_(0xFF)   # NaN, f32 and bf16
+    _arena(nbytes)
+    _LOCAL.arena[0][:nbytes] = 0xFF     # NaN in f32 and in bf16
 
 
 def capture(fn, x):
@@ -246,11 +250,17 @@ class Replayer:
         graph = graphs.get(key)
         if type(graph) is Graph:
             if not graph.validated:
-                if validate(graph, fn, x):
-                    graph.validated = True
+                try:
+                    ok = validate(graph, fn, x)
+                except Exception as exc:    # noqa: BLE001  (fn raises again below if it must)
+                    ok = False
+                    graphs[key] = f"its validation raised {type(exc).__name__}: {exc}"
                 else:
                     graphs[key] = "its replay did not reproduce the forward"
+                if not ok:
                     return fn(x)
+                graphs[key] = graph
+                graph.validated = True
             graphs.move_to_end(key)
             return graph.replay(x)
         if graph is None:   # a first call may fill the operators' caches (packed weights):
@@ -288,17 +298,17 @@ class StateWatch:
         self.root = root
         self._seen = None
 
-    def _look(self, dicts, tensors):
-        return (tuple(itertools.chain.from_iterable(map(dict.values, dicts))),
-                tuple(map(_VERSION, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)))
+    def _look(self, modules, dicts, tensors):
+        return (tuple(map(type, modules)),
+                tuple(itertools.chain.from_iterable(map(dict.values, dicts))),
+                _versions(tensors), tuple(map(torch.Tensor.data_ptr, tensors)),
+                _host.optimizer_steps())
 
     def changed(self) -> bool:
         seen = self._seen
         if seen is not None:
-            dicts, tensors, values, versions, addresses = seen
-            now, v, a = self._look(dicts, tensors)
             try:
-                if now == values and v == versions and a == addresses:
+                if self._look(*seen[:3]) == seen[3]:
                     return False
             except Exception:   # noqa: BLE001  (an unequal tensor has no truth value)
                 pass
@@ -308,20 +318,29 @@ class StateWatch:
                                                m._forward_pre_hooks)]
         tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values())
                    if t is not None]
-        self._seen = (dicts, tensors, *self._look(dicts, tensors))
+        self._seen = (modules, dicts, tensors, self._look(modules, dicts, tensors))
         return True
 
 
 _VERSION = operator.attrgetter("_version")
 
 
+def _versions(tensors):
+    """The tensors' version counters; an object equal to nothing where one is an inference
+    tensor (which keeps none: a module with one never replays)."""
+    try:
+        return tuple(map(_VERSION, tensors))
+    except RuntimeError:
+        return object()
+
+
 def inference_key(module, x):
     """The part of a replay key every module shares, for a call on x: (shape, dtype, thread
     counts), or None where the call is not one to replay: train mode, autograd on, autocast,
-    x not a contiguous CPU tensor."""
+    a torch function mode or torch.func transform, x not a contiguous CPU tensor."""
     if (module.training or torch.is_grad_enabled() or type(x) is not torch.Tensor
-            or not x.is_cpu or x.layout is not torch.strided or not x.is_contiguous()
-            or x.is_neg() or _autocast()):
+            or not x.is_cpu or x.layout is not torch.strided or _host.torchs_to_dispatch((x,))
+            or not x.is_contiguous() or x.is_neg() or _autocast()):
         return None
     return x.shape, x.dtype, tpp.get_num_threads(), torch.get_num_threads()
 

@@ -312,3 +312,41 @@ def test_invalidate_packed_and_large_scratch(monkeypatch):
         assert not _graphs(layer)
         assert "MAX_ARENA_BYTES" in layer.__dict__["_tpp_replay"][0].why_not(
             (ids.shape + (32,), torch.float32, tpp.get_num_threads(), torch.get_num_threads()))
+
+
+def test_class_swaps_modes_and_transforms_are_served_as_the_plain_forward():
+    _, fast = _tiny_bert()
+    layer = fast.encoder.layer[0]
+    ids = torch.randint(3, 99, (1, 11))
+    with torch.inference_mode():        # the thread's arena first made in inference mode
+        for _ in range(4):
+            fast(input_ids=torch.randint(3, 99, (1, 40)))
+    with torch.no_grad():
+        for _ in range(4):
+            fast(input_ids=ids)
+        assert len(_graphs(layer)) == 2
+
+        class Doubling(torch.nn.Linear):
+            def forward(self, x):
+                return super().forward(x) * 2
+
+        layer.output.dense.__class__ = Doubling        # not in any __dict__
+        want = copy.deepcopy(fast)(input_ids=ids).last_hidden_state
+        assert torch.equal(fast(input_ids=ids).last_hidden_state, want)
+        layer.output.dense.__class__ = torch.nn.Linear
+
+        from torch.overrides import TorchFunctionMode
+
+        class Seen(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                seen.append(func)
+                return func(*args, **(kwargs or {}))
+        for _ in range(3):
+            fast(input_ids=ids)
+        seen = []
+        with Seen():
+            layer(torch.randn(1, 11, 32))
+        assert torch.nn.functional.linear in seen       # the original forward, under the mode
+        x4 = torch.randn(3, 1, 11, 32)
+        torch.testing.assert_close(torch.func.vmap(layer)(x4),
+                                   torch.func.vmap(copy.deepcopy(layer))(x4))

@@ -13,7 +13,10 @@ Cases (time per call, ms; record extra: sequences_per_s, tokens):
                  model(**batch) under torch.no_grad(), eval mode: B32 L128; --quick B8 L64;
                  --tiny B2 L16
   infer varlen   the same B sentences each on its own, unpadded (batch of one, its own
-                 length: no mask, a new sequence length every call), one call = all B
+                 length: no mask, a new sequence length every call), one call = all B;
+                 the converted layers replay a length from its third call (ops.replay:
+                 the warm-up call runs each length once, round 1 records it, round 2
+                 validates the recording), so rounds 3 on show the steady state
   train step     train mode (the model's dropout 0.1 on), forward on the padded batch, loss
                  = mean of the squared mean-pooled embeddings, backward, torch.optim.AdamW
                  step (lr 1e-5); each provider trains its own copy of the model
