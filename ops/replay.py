@@ -95,8 +95,9 @@ class Graph:
                 step[1](table)
             else:                       # host work: [fn, specs, regions, bases, arrays]
                 now = tuple(bases[r] for r in step[2])
-                if now != step[3]:      # views made again only where a base moved
-                    step[3], step[4] = now, [_view(a, bases) for a in step[1]]
+                if now != step[3]:      # views made again only where a base moved, as
+                    with torch.inference_mode(False):  # normal tensors: writable in any mode
+                        step[3], step[4] = now, [_view(a, bases) for a in step[1]]
                 step[0](*step[4])
         return out
 
@@ -197,6 +198,8 @@ def _graph(rec, born, x, out):
                 if where == "partial":
                     return "an array straddles the input or the output"
                 if where is None:
+                    if isinstance(a, torch.Tensor) and a.is_inference():
+                        return "a host step took an inference tensor it did not make"
                     specs.append(a)
                 else:
                     strides = a.stride() if isinstance(a, torch.Tensor) else a.strides

@@ -318,12 +318,14 @@ def test_class_swaps_modes_and_transforms_are_served_as_the_plain_forward():
     _, fast = _tiny_bert()
     layer = fast.encoder.layer[0]
     ids = torch.randint(3, 99, (1, 11))
-    with torch.inference_mode():        # the thread's arena first made in inference mode
-        for _ in range(4):
-            fast(input_ids=torch.randint(3, 99, (1, 40)))
+    long = torch.randint(3, 99, (1, 40))
+    with torch.inference_mode():        # the thread's arena first made in inference mode,
+        for _ in range(4):              # and the host steps' views
+            fast(input_ids=long)
     with torch.no_grad():
         for _ in range(4):
             fast(input_ids=ids)
+            fast(input_ids=long)
         assert len(_graphs(layer)) == 2
 
         class Doubling(torch.nn.Linear):
