@@ -31,12 +31,13 @@ f32 298 -> 254 ms).
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 
 from ops import replay
 from ops.torch_hf import (IntermediateMixin, OutputMixin, SelfAttentionMixin, _cannot_serve,
-                          _children, _Converted, _hooked, _params, _swap)
+                          _children, _Converted, _params, _swap)
 from ops.torch_hf import register as _register_converters
 
 __all__ = ["CONVERTER", "LayerMixin", "register"]
@@ -106,7 +107,8 @@ class LayerMixin(_Converted):
     def _replay_key(self, x, mask, kwargs):
         """The signature under which an inference call replays its nests (ops.replay), or
         None: no mask, no other inputs (replay.inference_key has the rest)."""
-        if mask is not None or any(v is not None for v in kwargs.values()):
+        if mask is not None or any(v is not None for v in kwargs.values()) or \
+                not _capture_idle():
             return None
         return replay.inference_key(self, x)
 
@@ -123,7 +125,7 @@ class LayerMixin(_Converted):
         if not (isinstance(sa, SelfAttentionMixin) and isinstance(so, OutputMixin)
                 and isinstance(inter, IntermediateMixin) and isinstance(out, OutputMixin)):
             return None
-        if _hooked(att, sa, so, inter, out):
+        if _live_hooks(att, sa, so, inter, out):
             return None
         a = sa._fused(x, mask, kwargs)
         if a is None:
@@ -136,6 +138,32 @@ class LayerMixin(_Converted):
         i = inter.forward(h)
         y = out._fused(i, h)
         return out._tpp_base.forward(out, i, h) if y is None else y
+
+
+def _live_hooks(*modules) -> bool:
+    """Whether a forward hook of these modules would do anything now. transformers' output
+    capturing hooks, installed for good on every layer and self-attention block by one call
+    with output_hidden_states or output_attentions, do nothing while no capture is under way:
+    only then are they left out (so that one such call does not leave the model on its
+    original forward for good)."""
+    for m in modules:
+        if m._forward_pre_hooks:
+            return True
+        for hook in m._forward_hooks.values():
+            if not (getattr(hook, "__name__", None) == "output_capturing_hook"
+                    and getattr(hook, "__module__", None) == _CAPTURING and _capture_idle()):
+                return True
+    return False
+
+
+_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _capture_idle() -> bool:
+    """Whether no transformers output capture is under way on this thread (the collector of
+    the model's call is None or an empty dict: nothing requested)."""
+    collector = getattr(sys.modules.get(_CAPTURING), "_active_collector", None)
+    return collector is None or not collector.get()
 
 
 # (name, matches, convert); optimize goes on into the layer's blocks (descend)

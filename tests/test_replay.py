@@ -352,3 +352,21 @@ def test_class_swaps_modes_and_transforms_are_served_as_the_plain_forward():
         x4 = torch.randn(3, 1, 11, 32)
         torch.testing.assert_close(torch.func.vmap(layer)(x4),
                                    torch.func.vmap(copy.deepcopy(layer))(x4))
+
+
+def test_one_call_that_captures_outputs_does_not_end_the_fused_path():
+    model, fast = _tiny_bert()
+    ids = torch.randint(3, 99, (1, 13))
+    with torch.no_grad():
+        want = model(input_ids=ids, output_hidden_states=True)
+        got = fast(input_ids=ids, output_hidden_states=True)
+        assert any(m._forward_hooks for m in fast.modules())    # transformers' capture hooks
+        plain = [fast(input_ids=ids).last_hidden_state for _ in range(4)]
+        again = fast(input_ids=ids, output_hidden_states=True)
+    assert _graphs(fast.encoder.layer[0])      # the hooks, idle, did not stop the replays
+    for g in (got, again):
+        assert len(g.hidden_states) == len(want.hidden_states) == 3
+        for a, b in zip(g.hidden_states, want.hidden_states):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for p in plain:
+        torch.testing.assert_close(p, want.last_hidden_state, rtol=1e-4, atol=1e-4)
