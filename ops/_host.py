@@ -359,8 +359,14 @@ def zeros(shape, dtype: _dt.DType, like):
         return out
     if arrays.is_torch(like):
         import torch
-        return torch_empty(*shape, dtype=getattr(torch, dtype.torch_name)).zero_()
+        out = torch_empty(*shape, dtype=getattr(torch, dtype.torch_name))
+        recording.host(_zero, out)          # a step a recording replays (ops.replay)
+        return out
     return np.zeros(tuple(shape), dtype.numpy)
+
+
+def _zero(out):
+    out.zero_()
 
 
 _CONSTANTS = LRU(64, "device_constants")   # (Device, DType, torch?, value, n) -> n-element array

@@ -339,11 +339,13 @@ def _versions(tensors):
         return object()
 
 
-def inference_key(module, x):
+def inference_key(module, x, any_mode=False):
     """The part of a replay key every module shares, for a call on x: (shape, dtype, thread
-    counts), or None where the call is not one to replay: train mode, autograd on, autocast,
-    a torch function mode or torch.func transform, x not a contiguous CPU tensor."""
-    if (module.training or torch.is_grad_enabled() or type(x) is not torch.Tensor
+    counts), or None where the call is not one to replay: train mode (unless any_mode: a
+    module whose forward does not depend on it), autograd on, autocast, a torch function mode
+    or torch.func transform, x not a contiguous CPU tensor."""
+    if ((module.training and not any_mode) or torch.is_grad_enabled()
+            or type(x) is not torch.Tensor
             or not x.is_cpu or x.layout is not torch.strided or _host.torchs_to_dispatch((x,))
             or not x.is_contiguous() or x.is_neg() or _autocast()):
         return None

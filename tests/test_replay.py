@@ -185,6 +185,42 @@ def test_the_encoder_layer_replays_calls_without_masks(batch_first, norm_first, 
                                        rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv2d_replays_inference_calls(dtype):
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16),
+        torch.nn.Conv2d(16, 8, 1, bias=False)).eval().to(dtype)
+    fast = ops.torch.optimize(copy.deepcopy(net))
+    convs = [m for m in fast if isinstance(m, torch.nn.Conv2d)]
+    assert all(type(m) is ops.torch.Conv2d for m in convs)
+    x = torch.randn(2, 3, 9, 11).to(dtype)
+    with torch.no_grad():
+        outs = [fast(x) for _ in range(4)]
+        for got in outs[1:]:
+            assert torch.equal(got, outs[0])
+        y = torch.randn(2, 3, 9, 11).to(dtype)
+        want_y = copy.deepcopy(fast)(y)
+        assert torch.equal(fast(y), want_y)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(outs[0], net(x), **tol)
+    for m in convs:
+        graphs = [g for g in m.__dict__["_tpp_replay"][0]._graphs.values()
+                  if type(g) is replay.Graph]
+        assert len(graphs) == 1 and graphs[0].validated
+    fast.train()
+    with torch.no_grad():       # a Conv2d's forward is the same in train mode: replayed too
+        for _ in range(3):
+            assert torch.equal(fast(y), want_y)
+    for m in convs:
+        assert [g.validated for g in m.__dict__["_tpp_replay"][0]._graphs.values()
+                if type(g) is replay.Graph] == [True]
+    x.requires_grad_(True)
+    fast(x).float().sum().backward()        # training: the plain forward, autograd
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
 transformers = pytest.importorskip("transformers")
 
 
