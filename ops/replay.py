@@ -215,18 +215,16 @@ def _graph(rec, born, x, out):
 
 
 def _extent(a):
-    """(first address, bytes up to the end of the last element) of a numpy array or CPU
-    torch tensor with non-negative strides, or None for anything else."""
-    if isinstance(a, np.ndarray):
-        address, size, item, strides = a.ctypes.data, a.size, a.itemsize, a.strides
-    elif type(a) is torch.Tensor and a.is_cpu and a.layout is torch.strided:
-        address, size, item = a.data_ptr(), a.numel(), a.element_size()
-        strides = [s * item for s in a.stride()]
-    else:
+    """(first element's address, bytes from it to the end of the last) of a numpy array or
+    CPU torch tensor whose strides are not negative (tpp.runtime.arrays.extent), or None."""
+    if not (isinstance(a, np.ndarray) or (type(a) is torch.Tensor and a.is_cpu
+                                          and a.layout is torch.strided)):
         return None
-    if any(s < 0 for s in strides):
+    low, high = _arrays.extent(a)
+    start = _arrays.address(a)
+    if low != start and high != low:        # a negative stride reaches below it
         return None
-    return address, (item + sum((n - 1) * s for n, s in zip(a.shape, strides)) if size else 0)
+    return start, high - start
 
 
 def validate(graph, fn, x):
