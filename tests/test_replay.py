@@ -406,3 +406,20 @@ def test_one_call_that_captures_outputs_does_not_end_the_fused_path():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for p in plain:
         torch.testing.assert_close(p, want.last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_input_after_replays_raises_as_the_plain_forward_does():
+    torch.manual_seed(3)
+    enc = ops.torch.optimize(torch.nn.TransformerEncoderLayer(64, 4, 96, batch_first=True).eval())
+    conv = ops.torch.optimize(torch.nn.Conv2d(3, 8, 3))
+    with torch.no_grad():
+        for _ in range(4):
+            enc(torch.randn(2, 7, 64))
+            conv(torch.randn(1, 3, 8, 8))
+        for _ in range(3):      # a first call and the calls after it alike
+            with pytest.raises(RuntimeError, match="embed_dim"):
+                enc(torch.randn(2, 7, 63))
+            with pytest.raises(ValueError, match="channels"):
+                conv(torch.randn(1, 4, 8, 8))
+            with pytest.raises(RuntimeError):
+                conv(torch.randn(1, 3, 8, 8, 2))
