@@ -49,7 +49,7 @@ def collect() -> dict:
             info["host_isa"] = target.host_isa()
             t = target.current()
             info["target"] = {"isa": t.isa, "cpu": t.cpu, "lanes": t.lanes,
-                              "bf16_dot": t.bf16_dot, "runnable": t.runnable,
+                              "bf16_dot": t.bf16_dot, "amx": t.amx, "runnable": t.runnable,
                               "TPP_CPU_ISA": os.environ.get("TPP_CPU_ISA", "auto")}
         except Exception as exc:  # noqa: BLE001
             info["target"] = f"unavailable: {type(exc).__name__}: {exc}"
@@ -103,7 +103,8 @@ def render(info: dict, file=None) -> None:
     t = info.get("target")
     if isinstance(t, dict):
         row("target", f"{t['isa']} ({t['lanes']} f32 lanes, cpu {t['cpu']}, bf16 dot "
-                      f"{'yes' if t['bf16_dot'] else 'no'}; TPP_CPU_ISA={t['TPP_CPU_ISA']})")
+                      f"{'yes' if t['bf16_dot'] else 'no'}, amx tiles "
+                      f"{'yes' if t.get('amx') else 'no'}; TPP_CPU_ISA={t['TPP_CPU_ISA']})")
     else:
         row("target", t)
     gpus = info.get("gpus")

@@ -1,4 +1,6 @@
-"""The compute-peak probe's code: register-resident FMA / vdpbf16ps chains (assembly only)."""
+"""The compute-peak probe's code: register-resident FMA / vdpbf16ps chains, AMX tile dots
+(assembly only)."""
+import dataclasses
 import re
 
 import pytest
@@ -19,7 +21,7 @@ def _loop(asm: str) -> str:
     ("avx512", "bf16", "vdpbf16ps", "zmm"),
 ])
 def test_probe_loop_is_register_resident(isa, kind, instruction, reg):
-    tgt = target.make_target(isa)
+    tgt = dataclasses.replace(target.make_target(isa), amx=False)
     body = _loop(peak_probe.assembly(kind, tgt))
     ops = re.findall(rf"^\s+{instruction}\s+%{reg}\d+, %{reg}\d+, %{reg}\d+$", body, re.M)
     assert len(ops) == peak_probe.accumulators(tgt) * peak_probe.UNROLL
@@ -28,11 +30,25 @@ def test_probe_loop_is_register_resident(isa, kind, instruction, reg):
     assert peak_probe.flops_per_iteration(kind, tgt) == len(ops) * tgt.lanes * per
 
 
+def test_amx_probe_loop_is_tile_dots_only():
+    """On an AMX target the bf16 probe is four accumulator tiles, UNROLL dots each a trip,
+    and nothing else in the loop (assembly only: any host can look at it)."""
+    tgt = dataclasses.replace(target.make_target("avx512"), amx=True, bf16_dot=True)
+    asm = peak_probe.assembly("bf16", tgt)
+    body = _loop(asm)
+    dots = re.findall(r"^\s+tdpbf16ps\s+%tmm[67], %tmm[45], %tmm[0-3]$", body, re.M)
+    assert len(dots) == 4 * peak_probe.UNROLL and "tileloadd" not in body
+    assert "ldtilecfg" in asm and "tilerelease" in asm
+    assert peak_probe.flops_per_iteration("bf16", tgt) == len(dots) * 16 * 16 * 32 * 2
+
+
 def test_bf16_probe_falls_back_to_f32_without_a_dot_instruction():
     tgt = target.current()
     probe = peak_probe.build("bf16")
     probe(10)
-    if tgt.bf16_dot:
+    if tgt.amx:
+        assert probe.instruction == "tdpbf16ps" and probe.via is None
+    elif tgt.bf16_dot:
         assert probe.instruction == "vdpbf16ps" and probe.via is None
     else:
         assert probe.instruction == "vfmadd231ps" and probe.via.startswith("f32 fma")

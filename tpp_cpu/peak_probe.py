@@ -6,9 +6,12 @@ updates each UNROLL times per loop trip from two loop-invariant vectors, reads n
 loop, and stores the accumulators' sum (`lanes` f32) to `out` so that nothing is dead code.
 
   f32    `llvm.fma` (vfmadd231ps): 2 FLOPs per f32 lane per instruction.
-  bf16   `llvm.x86.avx512bf16.dpbf16ps.512` (vdpbf16ps) where the target has avx512_bf16: 4
-         FLOPs per f32 lane. Elsewhere bf16 is widened (exactly) to f32 and computed by f32
-         FMAs, so the bf16 peak *is* the f32 probe: `build("bf16")` returns it, `via` says so.
+  bf16   on AMX targets, `tdpbf16ps` on four independent accumulator tiles (tmm0-3) from
+         two A and two B tiles (the blocking of tpp_cpu.brgemm_amx): 16 x 16 x 32 x 2 FLOPs
+         per instruction, what bf16 BRGEMMs run on there. Else `vdpbf16ps` where the target
+         has avx512_bf16: 4 FLOPs per f32 lane. Elsewhere bf16 is widened (exactly) to f32
+         and computed by f32 FMAs, so the bf16 peak *is* the f32 probe: `build("bf16")`
+         returns it, `via` says so.
 
 `build(kind)` gives a `Probe` (runs `iterations` loop trips; knows one trip's FLOPs) for a
 benchmark's timing loop; `measure_peak(kind)` measures GFLOP/s by itself.
@@ -25,7 +28,7 @@ from llvmlite import ir
 from tpp.runtime.arrays import ffi
 from tpp.core.errors import UnsupportedError
 
-from . import irx, jit
+from . import amx, brgemm_amx, irx, jit
 from .target import Target, current
 
 UNROLL = 4                 # updates of every accumulator per loop trip
@@ -40,6 +43,8 @@ def accumulators(target: Target) -> int:
 
 def flops_per_iteration(kind: str, target: Target) -> int:
     """FLOPs of one loop trip of the probe that `generate(kind, target)` builds."""
+    if kind == "bf16" and target.amx:
+        return len(_AMX_DOTS) * UNROLL * brgemm_amx.TILE ** 2 * brgemm_amx.K_STEP * 2
     return accumulators(target) * UNROLL * target.lanes * (4 if kind == "bf16" else 2)
 
 
@@ -48,6 +53,9 @@ def generate(kind: str, target: Target, symbol: str) -> ir.Module:
     if kind not in KINDS or (kind == "bf16" and not target.bf16_dot):
         raise ValueError(f"no {kind!r} probe on the {target.isa} target (kinds: {KINDS})")
     module, b, (out,), (iterations,) = irx.new_kernel(symbol, 1, 1)
+    if kind == "bf16" and target.amx:
+        _amx_body(b, out, iterations)
+        return module
     vf = irx.vec(irx.F32, target.lanes)
     if kind == "f32":
         # x*y is inexact, so LLVM cannot rewrite the fma as an add; acc saturates near 8
@@ -75,10 +83,40 @@ def generate(kind: str, target: Target, symbol: str) -> ir.Module:
     return module
 
 
+_AMX_DOTS = ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))   # (accumulator, A, B) tiles
+
+
+def _amx_body(b, out, iterations):
+    """Four accumulator tiles updated UNROLL times a trip from A tiles of 1.0 and B tiles of
+    2^-20 (bf16), read from a module constant; tile 0's first row is stored to `out`."""
+    ty = ir.ArrayType(irx.I16, 16 * 32)
+    consts = []
+    for name, bits in (("tpp_probe_ones", 0x3F80), ("tpp_probe_small", 0x3580)):
+        g = ir.GlobalVariable(b.module, ty, name)
+        g.initializer, g.global_constant, g.linkage, g.align = \
+            ir.Constant(ty, [bits] * (16 * 32)), True, "internal", 64
+        consts.append(g)
+    rows = b.alloca(irx.F32, size=brgemm_amx.TILE ** 2, name="tile0")
+    rows.align = 64
+    amx.load_config(b, brgemm_amx.SHAPES)
+    for t in range(4):
+        amx.zero(b, t)
+    for t, g in ((4, consts[0]), (5, consts[0]), (6, consts[1]), (7, consts[1])):
+        amx.load(b, t, g, 64)
+    with irx.for_range(b, iterations):
+        for _u in range(UNROLL):
+            for c, a, bt in _AMX_DOTS:
+                amx.dot_bf16(b, c, a, bt)
+    amx.store(b, 0, rows, 64)
+    amx.release(b)
+    irx.store_vec(b, irx.load_vec(b, rows, irx.i64(0), irx.F32, 16), out, irx.i64(0))
+    b.ret_void()
+
+
 @dataclass(frozen=True)
 class Probe:
     kind: str                  # the kind asked for
-    instruction: str           # what the loop executes: "vfmadd231ps" or "vdpbf16ps"
+    instruction: str           # what the loop executes: vfmadd231ps, vdpbf16ps or tdpbf16ps
     flops_per_iteration: int
     fn: object                 # cffi function (out_address, iterations)
     out: object                # the result buffer (lanes f32), kept alive with the probe
@@ -90,7 +128,7 @@ class Probe:
 
 def _optimized(kind: str, target: Target):
     """(symbol, optimised binding module) of the probe."""
-    symbol = f"tpp_peak_probe_{kind}_{target.isa}"
+    symbol = f"tpp_peak_probe_{kind}_{target.isa}{'_amx' if target.amx else ''}"
     return symbol, jit.optimize(generate(kind, target, symbol), target, vectorize=False)
 
 
@@ -110,7 +148,9 @@ def build(kind: str = "f32", target: Target | None = None) -> Probe:
     run_kind, via = kind, None
     if kind == "bf16" and not target.bf16_dot:
         run_kind, via = "f32", "f32 fma (no bf16 dot instruction)"
-    return Probe(kind, "vdpbf16ps" if run_kind == "bf16" else "vfmadd231ps",
+    instruction = "vfmadd231ps" if run_kind == "f32" else \
+        ("tdpbf16ps" if target.amx else "vdpbf16ps")
+    return Probe(kind, instruction,
                  flops_per_iteration(run_kind, target),
                  ffi.cast("void(*)(intptr_t, intptr_t)", _address(run_kind, target)),
                  np.zeros(target.lanes, np.float32), via)

@@ -33,11 +33,12 @@ class Target:
     bf16_dot: bool = False   # a bf16 pair dot product into f32 (vdpbf16ps)
     vector_registers: int = 16   # architectural vector registers (register blocking)
     masked_lanes: bool = False   # per-lane predication of loads/stores at any element width
-    amx: bool = False            # AMX tiles with bf16 dot products (no generator uses it yet)
+    amx: bool = False            # AMX tiles with bf16 dot products (tpp_cpu.amx, brgemm_amx)
     streaming_stores: bool = True    # non-temporal vector stores
 
     def key(self) -> str:
-        return f"{self.isa}|lanes={self.lanes}|cpu={self.cpu}|{self.features}|host={self.host}"
+        return (f"{self.isa}|lanes={self.lanes}|cpu={self.cpu}|{self.features}|host={self.host}"
+                + ("|amx" if self.amx else ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,12 +96,19 @@ def make_target(isa: str) -> Target:
     if isa == native:
         if isa == "avx512":
             return Target(isa, 16, True, _fingerprint(), bf16_dot="avx512bf16" in flags,
-                          **_AVX512, amx={"amxtile", "amxbf16"} <= flags)
+                          **_AVX512, amx=_amx_usable(flags))
         return Target(isa, 8, True, _fingerprint(), **_AVX2)
     if isa == "avx2":   # an AVX-512 host generating AVX2 code
         return Target("avx2", 8, True, _fingerprint(), features="-avx512f", **_AVX2)
     # AVX-512 code for a host that cannot run it: Zen 4, the design's reference machine
     return Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True, **_AVX512)
+
+
+def _amx_usable(flags) -> bool:
+    """AMX where the CPU has tiles with bf16, the OS enabled them for this process, and
+    TPP_CPU_AMX does not turn them off (read once per process, as the ISA is)."""
+    from . import amx
+    return {"amxtile", "amxbf16"} <= flags and not amx.disabled_by_env() and amx.permitted()
 
 
 _AVX512 = {"vector_registers": 32, "masked_lanes": True}

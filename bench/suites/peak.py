@@ -1,8 +1,8 @@
 """peak: the yardsticks: one core's compute peak and the machine's streaming bandwidth.
 
 Compute: the register-resident probe of `tpp_cpu.peak_probe` (independent FMA chains, no
-memory traffic), in GFLOP/s: case "fma f32" (vfmadd231ps) and "dot bf16" (vdpbf16ps where the
-target has avx512_bf16; elsewhere bf16 is computed with f32 FMAs, so its record repeats the f32
+memory traffic), in GFLOP/s: case "fma f32" (vfmadd231ps) and "dot bf16" (AMX tile dots,
+tdpbf16ps, where the target has AMX; else vdpbf16ps where it has avx512_bf16; elsewhere bf16 is computed with f32 FMAs, so its record repeats the f32
 figure with extra["via"] saying so). They become ctx.peaks["f32"] and ctx.peaks["bf16"], the
 denominators of every compute record's `peak_fraction`.
 

@@ -1,0 +1,133 @@
+"""BRGEMM on AMX tiles (tpp_cpu.brgemm_amx): bf16 A with VNNI bf16 B, k a multiple of 32.
+
+On a host with AMX (and the OS's permission) these specs run their whole 16 x 16 tiles of C on
+the tile unit and the rest on the vector code; elsewhere the same cases run the vector code
+and still check it. Each case goes through test_brgemm's checked run (_run_case: NaN margins
+around A and B, sentinel bytes around C and the bitmask, the summation error bound), so a
+tile that reads past its block, writes past C or drops a k step fails here.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import tpp
+from test_brgemm import EPILOGUES, Case, _run_case
+from tpp_cpu import amx, brgemm_amx, target
+
+BF = ("bf16", "bf16")
+HAS_AMX = target.current().amx
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this host (or TPP_CPU_AMX) has no AMX")
+
+CASES = [
+    Case(16, 16, 32, "stride", 1, 0, "vnni", BF + ("f32",)),            # one tile
+    Case(64, 64, 64, "stride", 4, 1, "vnni", BF + ("f32",)),            # 2 x 2 blocks, beta
+    Case(37, 53, 64, "offset", 3, 0, "vnni", BF + ("bf16",), 0, ("row", "gelu", False)),
+    Case(48, 80, 96, "address", 2, 1, "vnni", BF + ("f16",), 0, (None, "relu", True)),
+    Case(33, 33, 32, "stride", 2, 1, "vnni", BF + ("f32",), 5),         # ld > n, edge tiles
+    Case(100, 17, 128, "stride", 0, 1, "vnni", BF + ("bf16",), 0, ("row", "sigmoid", False)),
+    Case(17, 100, 32, "stride", 3, 0, "vnni", BF + ("f32",), 0, ("row", "relu", True), 1),
+    Case(64, 64, 64, "stride", 8, 0, "vnni", BF + ("f32",), 16),
+    Case(16, 48, 64, "offset", 2, 1, "vnni", BF + ("bf16",), 3, ("row", None, False)),
+    Case(48, 16, 64, "address", 5, 0, "vnni", BF + ("f32",), 0, (None, "tanh", False)),
+    Case(80, 96, 256, "stride", 1, 1, "vnni", BF + ("f32",), 1, ("row", "relu", False)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tiled_cases(case):
+    assert brgemm_amx.eligible(case.kernel().spec, target.current()) == HAS_AMX
+    _run_case(case)
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(16, 80), n=st.integers(16, 80), k=st.sampled_from([32, 64, 96, 160]),
+       batch=st.sampled_from(["stride", "offset", "address"]), count=st.integers(0, 4),
+       beta=st.sampled_from([0, 1]), dtype_c=st.sampled_from(["f32", "bf16", "f16"]),
+       pad=st.sampled_from([0, 1, 16, 32]), epilogue=st.sampled_from(EPILOGUES),
+       spare=st.sampled_from([0, 1]))
+def test_tiled_hypothesis(m, n, k, batch, count, beta, dtype_c, pad, epilogue, spare):
+    _run_case(Case(m, n, k, batch, count, beta, "vnni", BF + (dtype_c,), pad, epilogue, spare))
+
+
+def test_which_specs_run_on_tiles():
+    """Tiles need bf16 A (not transposed) and VNNI bf16 B, k a multiple of 32, and at least
+    one whole 16 x 16 tile; everything else stays on the vector code."""
+    on = target.Target("avx512", 16, True, "x", bf16_dot=True, vector_registers=32,
+                       masked_lanes=True, amx=True)
+    off = target.Target("avx512", 16, True, "x", bf16_dot=True, vector_registers=32,
+                        masked_lanes=True)
+    spec = tpp.brgemm(64, 64, 64, dtype_a="bf16", vnni_b=True).spec
+    assert brgemm_amx.eligible(spec, on) and not brgemm_amx.eligible(spec, off)
+    assert brgemm_amx.tiled_extent(tpp.brgemm(37, 53, 64, dtype_a="bf16", vnni_b=True).spec) \
+        == (32, 48)
+    for kwargs in ({"k": 48}, {"m": 15}, {"n": 8}, {"trans_a": True}, {"vnni_b": False},
+                   {"dtype_a": "f16", "dtype_b": "f16"}):
+        args = dict(m=64, n=64, k=64, dtype_a="bf16", dtype_b="bf16", vnni_b=True)
+        args.update(kwargs)
+        m, n, k = args.pop("m"), args.pop("n"), args.pop("k")
+        assert not brgemm_amx.eligible(tpp.brgemm(m, n, k, **args).spec, on), kwargs
+
+
+def test_tile_configuration_bytes():
+    """Palette 1; bytes per row at 16 + 2t (little-endian), rows at 48 + t."""
+    raw = amx.config_bytes(brgemm_amx.SHAPES)
+    assert len(raw) == 64 and raw[0] == 1 and raw[1] == 0
+    assert [int.from_bytes(raw[16 + 2 * t:18 + 2 * t], "little") for t in range(8)] == [64] * 8
+    assert list(raw[48:56]) == [16] * 8 and not any(raw[56:]) and not any(raw[34:48])
+    for bad in ([(17, 64)], [(16, 68)], [(16, 62)], [(16, 64)] * 9):
+        with pytest.raises(ValueError):
+            amx.config_bytes(bad)
+
+
+@needs_amx
+def test_the_code_uses_the_tiles():
+    """The assembly configures, multiplies on and releases the tiles; the vector remainder of
+    a 37 x 53 C uses vdpbf16ps beside them."""
+    asm = tpp.brgemm(64, 64, 64, dtype_a="bf16", vnni_b=True).dump("asm")
+    assert asm.count("tdpbf16ps") == 4 and "ldtilecfg" in asm and "tilerelease" in asm
+    assert "vdpbf16ps" not in asm
+    asm = tpp.brgemm(37, 53, 64, dtype_a="bf16", vnni_b=True).dump("asm")
+    assert "tdpbf16ps" in asm and "vdpbf16ps" in asm
+
+
+def test_tpp_cpu_amx_0_keeps_the_vector_code():
+    """TPP_CPU_AMX=0 in a fresh process: no tiles, the same results within the bound."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+              "from tpp_cpu import target; assert not target.current().amx\n"
+              "import tpp, test_brgemm_amx as t\n"
+              "asm = tpp.brgemm(64, 64, 64, dtype_a='bf16', vnni_b=True).dump('asm')\n"
+              "assert 'tdpbf16ps' not in asm and 'tileloadd' not in asm\n"
+              "for c in t.CASES[:4]: t._run_case(c)\n"
+              "print('ok')\n")
+    env = dict(os.environ, TPP_CPU_AMX="0")
+    out = subprocess.run([sys.executable, "-c", script, here], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@needs_amx
+def test_tiles_in_threads_of_a_loop_nest():
+    """A parallel nest calling a tiled BRGEMM from every thread: each call configures and
+    releases its own tiles, so the threads' results are independent and exact."""
+    mb = 8
+    nest = tpp.LoopNest("A", a=mb)
+    a, = nest.vars
+    x = nest.tensor("x", (mb, 32, 64), "bf16")
+    w = nest.tensor("w", (1, 32, 64), "bf16")
+    y = nest.tensor("y", (mb, 32, 32))
+    mm = tpp.brgemm(32, 32, 64, dtype_a="bf16", vnni_b=True)
+    nest.call(mm, x[a], w[a * 0], y[a], count=1, stride_a=0, stride_b=0)
+    run = nest.compile()
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((mb, 32, 64)).astype(np.float32).astype(tpp.BF16.numpy)
+    ws = rng.standard_normal((64, 32)).astype(np.float32).astype(tpp.BF16.numpy)
+    wv = tpp.unary("vnni2", 64, 32, dtype_in="bf16")(ws)
+    out = np.empty((mb, 32, 32), np.float32)
+    run(xs, wv[None], out, threads=2)
+    want = xs.astype(np.float64) @ ws.astype(np.float64)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
