@@ -1,8 +1,8 @@
-"""BRGEMM on AMX tiles (tpp_cpu.brgemm_amx): bf16 A with VNNI bf16 B, k a multiple of 32.
+"""BRGEMM on AMX tiles (tpp_cpu.brgemm_amx): bf16 A with VNNI bf16 B, an even k.
 
-On a host with AMX (and the OS's permission) these specs run their whole 16 x 16 tiles of C on
-the tile unit and the rest on the vector code; elsewhere the same cases run the vector code
-and still check it. Each case goes through test_brgemm's checked run (_run_case: NaN margins
+On a host with AMX (and the OS's permission) these specs run on the tile unit, edges by
+overlapping or partial tiles and k in equal steps; elsewhere the same cases run the vector
+code and still check it. Each case goes through test_brgemm's checked run (_run_case: NaN margins
 around A and B, sentinel bytes around C and the bitmask, the summation error bound), so a
 tile that reads past its block, writes past C or drops a k step fails here.
 """
@@ -34,17 +34,27 @@ CASES = [
     Case(16, 48, 64, "offset", 2, 1, "vnni", BF + ("bf16",), 3, ("row", None, False)),
     Case(48, 16, 64, "address", 5, 0, "vnni", BF + ("f32",), 0, (None, "tanh", False)),
     Case(80, 96, 256, "stride", 1, 1, "vnni", BF + ("f32",), 1, ("row", "relu", False)),
+    # partial tiles (m, n < 16), overlapping edge tiles, k in equal steps of < 32
+    Case(7, 12, 48, "stride", 2, 1, "vnni", BF + ("bf16",), 0, ("row", "relu", True)),
+    Case(1, 16, 2, "offset", 3, 0, "vnni", BF + ("f32",)),
+    Case(28, 64, 28, "stride", 9, 1, "vnni", BF + ("f32",), 2),
+    Case(56, 40, 56, "address", 2, 1, "vnni", BF + ("f16",), 0, ("row", "gelu", False)),
+    Case(76, 77, 80, "stride", 2, 0, "vnni", BF + ("f32",), 3, ("row", None, False)),
+    Case(64, 20, 14, "stride", 1, 1, "vnni", BF + ("bf16",), 0, (None, "relu", True)),
+    Case(44, 9, 74, "offset", 2, 1, "vnni", BF + ("f32",), 1),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_tiled_cases(case):
-    assert brgemm_amx.eligible(case.kernel().spec, target.current()) == HAS_AMX
+    spec = case.kernel().spec
+    mask_overlap = spec.bitmask and spec.n > 16 and spec.n % 16    # stays on the vector code
+    assert brgemm_amx.eligible(spec, target.current()) == (HAS_AMX and not mask_overlap)
     _run_case(case)
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(16, 80), n=st.integers(16, 80), k=st.sampled_from([32, 64, 96, 160]),
+@given(m=st.integers(1, 80), n=st.integers(1, 80), k=st.sampled_from([2, 14, 32, 48, 64, 90]),
        batch=st.sampled_from(["stride", "offset", "address"]), count=st.integers(0, 4),
        beta=st.sampled_from([0, 1]), dtype_c=st.sampled_from(["f32", "bf16", "f16"]),
        pad=st.sampled_from([0, 1, 16, 32]), epilogue=st.sampled_from(EPILOGUES),
@@ -54,30 +64,59 @@ def test_tiled_hypothesis(m, n, k, batch, count, beta, dtype_c, pad, epilogue, s
 
 
 def test_which_specs_run_on_tiles():
-    """Tiles need bf16 A (not transposed) and VNNI bf16 B, k a multiple of 32, and at least
-    one whole 16 x 16 tile; everything else stays on the vector code."""
+    """Tiles need bf16 A (not transposed) and VNNI bf16 B with an even k; a bitmask with an
+    overlapping column tile (n > 16, not a multiple of 16) stays on the vector code."""
     on = target.Target("avx512", 16, True, "x", bf16_dot=True, vector_registers=32,
                        masked_lanes=True, amx=True)
     off = target.Target("avx512", 16, True, "x", bf16_dot=True, vector_registers=32,
                         masked_lanes=True)
     spec = tpp.brgemm(64, 64, 64, dtype_a="bf16", vnni_b=True).spec
     assert brgemm_amx.eligible(spec, on) and not brgemm_amx.eligible(spec, off)
-    assert brgemm_amx.tiled_extent(tpp.brgemm(37, 53, 64, dtype_a="bf16", vnni_b=True).spec) \
-        == (32, 48)
-    for kwargs in ({"k": 48}, {"m": 15}, {"n": 8}, {"trans_a": True}, {"vnni_b": False},
-                   {"dtype_a": "f16", "dtype_b": "f16"}):
+    for kwargs, want in (({"k": 48}, True), ({"m": 3, "n": 5}, True), ({"k": 33}, False),
+                         ({"trans_a": True}, False), ({"vnni_b": False}, False),
+                         ({"dtype_a": "f16", "dtype_b": "f16"}, False),
+                         ({"n": 20, "activation": "relu", "bitmask": True}, False),
+                         ({"n": 12, "activation": "relu", "bitmask": True}, True),
+                         ({"n": 32, "activation": "relu", "bitmask": True}, True)):
         args = dict(m=64, n=64, k=64, dtype_a="bf16", dtype_b="bf16", vnni_b=True)
         args.update(kwargs)
         m, n, k = args.pop("m"), args.pop("n"), args.pop("k")
-        assert not brgemm_amx.eligible(tpp.brgemm(m, n, k, **args).spec, on), kwargs
+        assert brgemm_amx.eligible(tpp.brgemm(m, n, k, **args).spec, on) == want, kwargs
+
+
+def test_tiles_cover_c_and_overlap_only_inside_a_block():
+    """Every extent 1..200: the blocks' tiles cover [0, extent) and stay inside it; tiles
+    overlap only within one block; k steps are even, at most 32, and sum to k."""
+    for extent in range(1, 201):
+        width = min(extent, brgemm_amx.TILE)
+        tiles = []
+        for blk in brgemm_amx.blocks(extent):
+            assert len(blk.tiles) in (1, 2)
+            for i in range(blk.count):
+                tiles.append([blk.start + i * blk.step + t for t in blk.tiles])
+        covered = np.zeros(extent, int)
+        for block in tiles:
+            seen = np.zeros(extent, bool)
+            for t in block:
+                assert 0 <= t and t + width <= extent, (extent, block)
+                seen[t:t + width] = True
+            covered += seen
+        assert (covered == 1).all(), (extent, tiles)
+    for k in range(2, 400, 2):
+        steps, ks = brgemm_amx.k_steps(k)
+        assert steps * ks == k and ks % 2 == 0 and ks <= 32 and steps >= -(-k // 32)
 
 
 def test_tile_configuration_bytes():
     """Palette 1; bytes per row at 16 + 2t (little-endian), rows at 48 + t."""
-    raw = amx.config_bytes(brgemm_amx.SHAPES)
+    raw = amx.config_bytes(brgemm_amx.Layout(16, 16, 2, 32).shapes())
     assert len(raw) == 64 and raw[0] == 1 and raw[1] == 0
     assert [int.from_bytes(raw[16 + 2 * t:18 + 2 * t], "little") for t in range(8)] == [64] * 8
     assert list(raw[48:56]) == [16] * 8 and not any(raw[56:]) and not any(raw[34:48])
+    raw = amx.config_bytes(brgemm_amx.Layout(7, 12, 2, 24).shapes())
+    assert [int.from_bytes(raw[16 + 2 * t:18 + 2 * t], "little") for t in range(8)] == \
+        [48] * 4 + [48] * 2 + [48] * 2
+    assert list(raw[48:56]) == [7] * 4 + [7] * 2 + [12] * 2
     for bad in ([(17, 64)], [(16, 68)], [(16, 62)], [(16, 64)] * 9):
         with pytest.raises(ValueError):
             amx.config_bytes(bad)
@@ -85,13 +124,14 @@ def test_tile_configuration_bytes():
 
 @needs_amx
 def test_the_code_uses_the_tiles():
-    """The assembly configures, multiplies on and releases the tiles; the vector remainder of
-    a 37 x 53 C uses vdpbf16ps beside them."""
+    """The assembly configures, multiplies on and releases the tiles, with no vector dot
+    products beside them, edges included."""
+    for m, n, k in ((64, 64, 64), (37, 53, 48), (7, 9, 14)):
+        asm = tpp.brgemm(m, n, k, dtype_a="bf16", vnni_b=True).dump("asm")
+        assert "tdpbf16ps" in asm and "ldtilecfg" in asm and "tilerelease" in asm
+        assert "vdpbf16ps" not in asm
     asm = tpp.brgemm(64, 64, 64, dtype_a="bf16", vnni_b=True).dump("asm")
-    assert asm.count("tdpbf16ps") == 4 and "ldtilecfg" in asm and "tilerelease" in asm
-    assert "vdpbf16ps" not in asm
-    asm = tpp.brgemm(37, 53, 64, dtype_a="bf16", vnni_b=True).dump("asm")
-    assert "tdpbf16ps" in asm and "vdpbf16ps" in asm
+    assert asm.count("tdpbf16ps") == 4
 
 
 def test_tpp_cpu_amx_0_keeps_the_vector_code():

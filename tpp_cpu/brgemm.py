@@ -73,7 +73,7 @@ from tpp.core import optable
 from tpp.core.spec import mask_bytes
 
 from . import brgemm_amx, irx, mapops
-from .brgemm_blocking import plan, shifted
+from .brgemm_blocking import plan
 from .irx import F32, I16, I32, I64, PTR, i64, vec
 
 UNROLL_STEPS = 8     # k steps per iteration of the k loop
@@ -118,7 +118,6 @@ class _Generator:
         widened = 2 if (spec.vnni_b and not self.dot) else 1
         a_row_bytes = None if spec.trans_a else spec.lda * spec.dtype_a.itemsize
         self.blocking = plan(spec.m, spec.n, target.lanes, registers, widened, a_row_bytes)
-        self.plan_region = lambda m, n: plan(m, n, target.lanes, registers, widened, a_row_bytes)
         # A widened once per row tile (see the module docstring): its k loop reads A as f32,
         # so a tile needs no registers for A's pair and its mask, only the broadcast
         self.widen = self.wide_blocking = None
@@ -141,18 +140,13 @@ class _Generator:
             most = max(rg.rows * cg.vectors for bl in blockings for rg in bl.row_groups
                        for cg in bl.col_groups)
             self.scratch = b.alloca(vec(F32, target.lanes), size=most, name="tile")
-        # the whole 16 x 16 tiles of C on AMX (brgemm_amx), the rest on the vector code
+        # bf16 A x VNNI bf16 B on AMX tiles where the target has them (brgemm_amx)
         self.amx = brgemm_amx.TileBlocks(self) if brgemm_amx.eligible(spec, target) else None
 
     # ------------------------------------------------------------ tiles
     def emit(self):
         if self.amx is not None:
             self.amx.emit()
-            rows, cols = self.amx.rows, self.amx.cols
-            m, n = self.spec.m, self.spec.n
-            for row0, col0, mm, nn in ((rows, 0, m - rows, n), (0, cols, rows, n - cols)):
-                if mm and nn:
-                    self.tiles(shifted(self.plan_region(mm, nn), row0, col0), False)
             return
         if not self.widen:
             self.tiles(self.blocking, False)

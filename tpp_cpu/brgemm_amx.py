@@ -1,65 +1,128 @@
 """BRGEMM on AMX tiles: bf16 A times VNNI-paired bf16 B into f32 accumulator tiles.
 
 Where the target has AMX (tpp_cpu.amx) and the spec is bf16 A (row-major) with bf16 VNNI B
-(not transposed) and k a multiple of 32, the part of C made of whole 16 x 16 tiles runs on
-the tile unit; the rest of C (rows past the last multiple of 16, columns past the last
-multiple of 16) runs on the vector code of tpp_cpu.brgemm, in the same kernel.
+(not transposed) and an even k, the whole of C runs on the tile unit (`eligible`).
 
-Tiles: four f32 accumulators (tmm0-3) hold a 32 x 32 block of C, as 2 x 2 tiles; per step of
-32 k values, two A tiles (tmm4-5: 16 rows x 32 bf16, read with A's row stride) and two B
-tiles (tmm6-7: 16 VNNI rows x 16 column pairs, read with B's row stride) feed four
-`tdpbf16ps`: each A and B tile loaded serves two multiplies (the libxsmm/oneDNN blocking).
-At C's edges a block is 2 x 1, 1 x 2 or 1 x 1 tiles. The accumulators stay in tiles across
-the whole batch and every k step:
+Tiles: four f32 accumulators (tmm0-3) hold a block of 2 x 2 tiles of C; per k step two A
+tiles (tmm4-5, read with A's row stride) and two B tiles (tmm6-7, VNNI rows read with B's row
+stride) feed four `tdpbf16ps`: each tile loaded serves two multiplies (the libxsmm/oneDNN
+blocking). The accumulators stay in tiles across the whole batch and every k step:
 
     ldtilecfg                                     (once per call)
-    for each 32 x 32 block of C (fewer tiles at the edges):
+    for each block of C (2 x 2 tiles; 2 x 1, 1 x 2 or 1 x 1 at the edges):
       acc tiles = beta ? C (f32 straight from C; bf16/f16 C widened through a stack buffer) : 0
-      for i in range(count):  for each 32 k values:
+      for i in range(count):  for each k step:
         load A0, B0; acc00 += A0 B0; load B1; acc01 += A0 B1; load A1; acc10 += ...; acc11
       f32 C without an epilogue: tiles stored straight into C; otherwise the tiles go to a
       stack buffer and the vector epilogue (bias, activation, bitmask, rounding to dtype_c)
       runs on its rows, as on the vector path
     tilerelease
 
-Figures (one Sapphire Rapids core of a 2-core guest, 64x64x64 x16 pairs, f32 C, in a
-compiled loop): see bench/suites/brgemm.py's `bf16 vnni` case and the AMX peak of `tpp-bench
-peak`.
+Shapes (one configuration per kernel, `Layout`). A tile multiply takes the same time whatever
+its tiles' sizes (16 cycles on a Sapphire Rapids core, measured for K 2..32 and M 1..16), so
+every tile is as large as C allows:
+- rows: 16-row tiles; where m is not a multiple of 16, the last tile starts at m - 16 and
+  overlaps the one before, in the same block (both read C before either writes it, and both
+  compute the overlapping rows with the same sums in the same order: the same bits). m < 16:
+  one tile of m rows. Columns likewise (16 f32 per tile).
+- k: steps of ks = k / steps values, the fewest steps with ks even and at most 32 (k = 48:
+  two steps of 24). An odd k (a VNNI pair with a padding half) stays on the vector code.
+Where a bitmask is written, the overlapping column tile would start at a column that is not
+a multiple of 8 (the mask's bytes): such specs (n > 16, n % 16 != 0) stay on the vector code.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from . import amx, irx
 from .irx import F32, I16, i64
 
-K_STEP = 32          # bf16 k values per tile step: one 64-byte A row, 16 VNNI B rows
-TILE = 16            # rows and f32 columns of an accumulator tile
-ACC = ((0, 1), (2, 3))   # accumulator tile of [row tile][column tile]
+TILE = 16            # most rows, and most f32 columns, of an accumulator tile
+K_STEP = 32          # most bf16 k values per step (one 64-byte A tile row)
+ACC = ((0, 1), (2, 3))   # accumulator tile of [row slot][column slot]
 A_TILES = (4, 5)
 B_TILES = (6, 7)
 SCRATCH_COLS = 2 * TILE  # f32 per row of the stack buffer (a 32 x 32 block)
-SHAPES = [(TILE, 4 * TILE)] * 4 + [(TILE, 2 * K_STEP)] * 2 + [(K_STEP // 2, 4 * TILE)] * 2
 
 
 def eligible(spec, target) -> bool:
-    """Whether some of this spec's C runs on tiles."""
+    """Whether this spec runs on tiles (then all of its C does)."""
     return (target.amx and target.bf16_dot and spec.vnni_b and not spec.trans_a
             and not spec.trans_b and spec.dtype_a.name == "bf16"
-            and spec.dtype_b.name == "bf16" and spec.k % K_STEP == 0
-            and spec.m >= TILE and spec.n >= TILE)
+            and spec.dtype_b.name == "bf16" and spec.k % 2 == 0
+            and not (spec.bitmask and spec.n > TILE and spec.n % TILE))
 
 
-def tiled_extent(spec) -> tuple:
-    """(rows, columns) of C computed on tiles: the whole 16 x 16 tiles from C's origin."""
-    return spec.m - spec.m % TILE, spec.n - spec.n % TILE
+def k_steps(k: int) -> tuple:
+    """(steps, k values per step): the fewest steps of an even size of at most 32."""
+    steps = -(-k // K_STEP)
+    while k % steps or (k // steps) % 2:
+        steps += 1
+    return steps, k // steps
+
+
+def tile_starts(extent: int) -> tuple:
+    """Start of each 16-wide tile covering `extent` (the last one overlapping where needed);
+    one tile of `extent` when it is smaller than 16."""
+    if extent <= TILE:
+        return (0,)
+    full = extent // TILE
+    starts = tuple(TILE * t for t in range(full))
+    return starts + ((extent - TILE,) if extent % TILE else ())
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Blocks of one or two tiles along one dimension of C: `count` blocks from `start`,
+    `step` apart, each with tiles at the offsets `tiles` from the block's start."""
+    count: int
+    start: int
+    step: int
+    tiles: tuple
+
+
+def blocks(extent: int) -> tuple:
+    """The blocks along one dimension: tiles paired in order, an overlapping last tile paired
+    with the one it overlaps (see the module docstring), a lone tile left as one block."""
+    starts = tile_starts(extent)
+    overlap = len(starts) > 1 and starts[-1] % TILE
+    body = starts[:-2] if overlap else starts
+    out = []
+    if len(body) >= 2:
+        out.append(Blocks(len(body) // 2, 0, 2 * TILE, (0, TILE)))
+    if len(body) % 2:
+        out.append(Blocks(1, body[-1], 0, (0,)))
+    if overlap:
+        out.append(Blocks(1, starts[-2], 0, (0, starts[-1] - starts[-2])))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A kernel's tile shapes: rows and f32 columns of its accumulator tiles, k per step."""
+    rows: int
+    cols: int
+    steps: int
+    ks: int
+
+    @classmethod
+    def of(cls, spec):
+        steps, ks = k_steps(spec.k)
+        return cls(min(spec.m, TILE), min(spec.n, TILE), steps, ks)
+
+    def shapes(self) -> list:
+        """(rows, bytes per row) of tiles 0-7 (the palette-1 configuration)."""
+        acc = (self.rows, 4 * self.cols)
+        return [acc] * 4 + [(self.rows, 2 * self.ks)] * 2 + [(self.ks // 2, 4 * self.cols)] * 2
 
 
 class TileBlocks:
-    """Emits the tiled part of a BRGEMM kernel for a tpp_cpu.brgemm._Generator `gen` (its
+    """Emits the BRGEMM kernel body on tiles for a tpp_cpu.brgemm._Generator `gen` (its
     builder, operands, batch pointers and epilogue `finish` are shared)."""
 
     def __init__(self, gen):
         self.gen, self.spec, self.b = gen, gen.spec, gen.b
-        self.rows, self.cols = tiled_extent(gen.spec)
+        self.layout = Layout.of(gen.spec)
         self.direct = (gen.spec.dtype_c.name == "f32" and not gen.spec.bias
                        and gen.activation is None)
         self.scratch = None
@@ -69,46 +132,39 @@ class TileBlocks:
         buf = b.alloca(F32, size=SCRATCH_COLS * 2 * TILE, name="amx_tiles")
         buf.align = 64
         self.scratch = b.inttoptr(b.ptrtoint(buf, irx.I64), irx.PTR)
-        amx.load_config(b, SHAPES)
-        row_tiles, col_tiles = self.rows // TILE, self.cols // TILE
-        row_kinds = [(2, 0, row_tiles // 2)] if row_tiles >= 2 else []
-        if row_tiles % 2:
-            row_kinds.append((1, (row_tiles - 1) * TILE, 1))
-        col_kinds = [(2, 0, col_tiles // 2)] if col_tiles >= 2 else []
-        if col_tiles % 2:
-            col_kinds.append((1, (col_tiles - 1) * TILE, 1))
-        for rt, rstart, rcount in row_kinds:
-            with irx.for_range(b, rcount, name="amx_m") as i:
-                row0 = b.add(i64(rstart), b.mul(i, i64(rt * TILE)))
-                for ct, cstart, ccount in col_kinds:
-                    with irx.for_range(b, ccount, name="amx_n") as j:
-                        col0 = b.add(i64(cstart), b.mul(j, i64(ct * TILE)))
-                        self.block(row0, col0, rt, ct)
+        amx.load_config(b, self.layout.shapes())
+        for rb in blocks(self.spec.m):
+            with irx.for_range(b, rb.count, name="amx_m") as i:
+                row0 = b.add(i64(rb.start), b.mul(i, i64(rb.step)))
+                for cb in blocks(self.spec.n):
+                    with irx.for_range(b, cb.count, name="amx_n") as j:
+                        col0 = b.add(i64(cb.start), b.mul(j, i64(cb.step)))
+                        self.block(row0, col0, rb.tiles, cb.tiles)
         amx.release(b)
 
     # ------------------------------------------------------------ one block of tiles
-    def block(self, row0, col0, rt, ct):
+    def block(self, row0, col0, rows, cols):
+        """The tiles at (row0 + rows[r], col0 + cols[c]): start, every pair and k step, finish."""
         spec, b = self.spec, self.b
-        self.start(row0, col0, rt, ct)
+        rows = [b.add(row0, i64(r)) for r in rows]
+        cols = [b.add(col0, i64(c)) for c in cols]
+        self.start(rows, cols)
         with irx.for_range(b, self.gen.count, name="amx_batch") as i:
             a_i, b_i = self.gen.batch_pointers(i)
-            a_rows = [irx.element_ptr(b, a_i, b.mul(b.add(row0, i64(r * TILE)),
-                                                     i64(spec.lda)), I16) for r in range(rt)]
-            b_cols = [irx.element_ptr(b, b_i, b.mul(b.add(col0, i64(c * TILE)), i64(2)), I16)
-                      for c in range(ct)]
-            steps = spec.k // K_STEP
-            if steps == 1:
+            a_rows = [irx.element_ptr(b, a_i, b.mul(r, i64(spec.lda)), I16) for r in rows]
+            b_cols = [irx.element_ptr(b, b_i, b.mul(c, i64(2)), I16) for c in cols]
+            if self.layout.steps == 1:
                 self.k_step(a_rows, b_cols, i64(0))
             else:
-                with irx.for_range(b, steps, name="amx_k") as kk:
+                with irx.for_range(b, self.layout.steps, name="amx_k") as kk:
                     self.k_step(a_rows, b_cols, kk)
-        self.finish(row0, col0, rt, ct)
+        self.finish(rows, cols)
 
     def k_step(self, a_rows, b_cols, kk):
-        """acc += A[:, 32kk : 32kk+32] B[32kk : 32kk+32, :] for the block's tiles."""
-        spec, b = self.spec, self.b
-        a_off = b.mul(kk, i64(K_STEP))                       # bf16 elements along a row
-        b_off = b.mul(kk, i64(K_STEP // 2 * spec.ldb))       # VNNI rows down B
+        """acc += A[:, ks kk : ks (kk+1)] B[ks kk : ks (kk+1), :] for the block's tiles."""
+        spec, b, ks = self.spec, self.b, self.layout.ks
+        a_off = b.mul(kk, i64(ks))                       # bf16 elements along a row
+        b_off = b.mul(kk, i64(ks // 2 * spec.ldb))       # VNNI rows down B
         a_stride, b_stride = 2 * spec.lda, 2 * spec.ldb
         amx.load(b, A_TILES[0], irx.element_ptr(b, a_rows[0], a_off, I16), a_stride)
         for c, col in enumerate(b_cols):
@@ -119,60 +175,60 @@ class TileBlocks:
             for c in range(len(b_cols)):
                 amx.dot_bf16(b, ACC[1][c], A_TILES[1], B_TILES[c])
 
-    def c_ptr(self, row0, col0, r, c):
-        """Address of C's element at tile (r, c) of the block at (row0, col0)."""
-        spec, b = self.spec, self.b
-        at = b.add(b.mul(b.add(row0, i64(r * TILE)), i64(spec.ldc)), b.add(col0, i64(c * TILE)))
-        return irx.element_ptr(b, self.gen.pc, at, irx.storage_type(spec.dtype_c))
+    def c_offset(self, row, col):
+        return self.b.add(self.b.mul(row, i64(self.spec.ldc)), col)
+
+    def c_ptr(self, row, col):
+        return irx.element_ptr(self.b, self.gen.pc, self.c_offset(row, col),
+                               irx.storage_type(self.spec.dtype_c))
 
     def scratch_ptr(self, r, c):
         return irx.element_ptr(self.b, self.scratch, i64(r * TILE * SCRATCH_COLS + c * TILE),
                                F32)
 
-    def start(self, row0, col0, rt, ct):
-        """The accumulators: zero, or C (beta = 1; a narrow C is widened into the buffer)."""
+    def count(self):
+        """Active lanes of a tile row's vector (None: all 16)."""
+        return None if self.layout.cols == TILE else self.layout.cols
+
+    def start(self, rows, cols):
+        """The accumulators: zero, or C (beta = 1; a narrow C is widened into the buffer).
+        Every tile of the block is read before any is written (overlapping tiles)."""
         spec, b = self.spec, self.b
-        for r in range(rt):
-            for c in range(ct):
+        for r, row in enumerate(rows):
+            for c, col in enumerate(cols):
                 t = ACC[r][c]
                 if not spec.beta:
                     amx.zero(b, t)
                 elif spec.dtype_c.name == "f32":
-                    amx.load(b, t, self.c_ptr(row0, col0, r, c), 4 * spec.ldc)
+                    amx.load(b, t, self.c_ptr(row, col), 4 * spec.ldc)
                 else:
-                    self.widen_c(row0, col0, r, c)
+                    with irx.for_range(b, self.layout.rows, name="amx_cin") as y:
+                        x = irx.load_f32(b, self.gen.pc, self.c_offset(b.add(row, y), col),
+                                         spec.dtype_c, TILE, self.count())
+                        irx.store_vec(b, x, self.scratch, b.add(
+                            b.mul(b.add(y, i64(r * TILE)), i64(SCRATCH_COLS)), i64(c * TILE)))
                     amx.load(b, t, self.scratch_ptr(r, c), 4 * SCRATCH_COLS)
 
-    def widen_c(self, row0, col0, r, c):
-        spec, b = self.spec, self.b
-        with irx.for_range(b, TILE, name="amx_cin") as y:
-            row = b.add(row0, b.add(y, i64(r * TILE)))
-            x = irx.load_f32(b, self.gen.pc, b.add(b.mul(row, i64(spec.ldc)),
-                                                   b.add(col0, i64(c * TILE))),
-                             spec.dtype_c, TILE)
-            irx.store_vec(b, x, self.scratch,
-                          b.add(b.mul(b.add(y, i64(r * TILE)), i64(SCRATCH_COLS)),
-                                i64(c * TILE)))
-
-    def finish(self, row0, col0, rt, ct):
+    def finish(self, rows, cols):
         """Tiles into C, straight or through the buffer and the vector epilogue."""
         spec, b, gen = self.spec, self.b, self.gen
         if self.direct:
-            for r in range(rt):
-                for c in range(ct):
-                    amx.store(b, ACC[r][c], self.c_ptr(row0, col0, r, c), 4 * spec.ldc)
+            for r, row in enumerate(rows):
+                for c, col in enumerate(cols):
+                    amx.store(b, ACC[r][c], self.c_ptr(row, col), 4 * spec.ldc)
             return
-        for r in range(rt):
-            for c in range(ct):
+        for r in range(len(rows)):
+            for c in range(len(cols)):
                 amx.store(b, ACC[r][c], self.scratch_ptr(r, c), 4 * SCRATCH_COLS)
-        cols = [b.add(col0, i64(c * TILE)) for c in range(ct)]
+        count = self.count()
         bias = None
         if spec.bias:
-            bias = [irx.load_f32(b, gen.pbias, col, spec.dtype_c, TILE) for col in cols]
-        with irx.for_range(b, rt * TILE, name="amx_out") as y:
-            row = b.add(row0, y)
-            for c in range(ct):
-                x = irx.load_vec(b, self.scratch, b.add(b.mul(y, i64(SCRATCH_COLS)),
-                                                        i64(c * TILE)), F32, TILE)
-                gen.finish(x, row, cols[c], bias, c, None,
-                           b.add(b.mul(row, i64(spec.ldc)), cols[c]))
+            bias = [irx.load_f32(b, gen.pbias, col, spec.dtype_c, TILE, count) for col in cols]
+        for r, row0 in enumerate(rows):
+            with irx.for_range(b, self.layout.rows, name="amx_out") as y:
+                row = b.add(row0, y)
+                for c, col in enumerate(cols):
+                    x = irx.load_vec(b, self.scratch, b.add(
+                        b.mul(b.add(y, i64(r * TILE)), i64(SCRATCH_COLS)), i64(c * TILE)),
+                        F32, TILE)
+                    gen.finish(x, row, col, bias, c, count, self.c_offset(row, col))

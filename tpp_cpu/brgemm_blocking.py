@@ -77,14 +77,6 @@ class Blocking:
                 yield rg, cg
 
 
-def shifted(blocking: Blocking, row0: int, col0: int) -> Blocking:
-    """The same tiles for the block of C whose first element is (row0, col0)."""
-    return Blocking(blocking.lanes,
-                    tuple(RowGroup(g.start + row0, g.rows, g.count) for g in blocking.row_groups),
-                    tuple(ColGroup(g.start + col0, g.vectors, g.count, g.tail)
-                          for g in blocking.col_groups))
-
-
 def split_rows(m: int, most: int) -> tuple:
     """m rows as equal blocks of at most `most` rows: RowGroups of sizes q+1 then q."""
     blocks = -(-m // most)

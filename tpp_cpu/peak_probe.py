@@ -98,7 +98,7 @@ def _amx_body(b, out, iterations):
         consts.append(g)
     rows = b.alloca(irx.F32, size=brgemm_amx.TILE ** 2, name="tile0")
     rows.align = 64
-    amx.load_config(b, brgemm_amx.SHAPES)
+    amx.load_config(b, brgemm_amx.Layout(16, 16, 1, brgemm_amx.K_STEP).shapes())
     for t in range(4):
         amx.zero(b, t)
     for t, g in ((4, consts[0]), (5, consts[0]), (6, consts[1]), (7, consts[1])):
