@@ -129,6 +129,14 @@ def vnni(o: Options) -> bool:
     return o.dtype == _dt.BF16 and (o.cuda or tpp.has_dot_instruction(_dt.BF16))
 
 
+def tiles(o: Options) -> bool:
+    """Whether the bf16 nests transpose P^T (and dS^T) into a second block before the
+    products that read them as A: where bf16 BRGEMMs run on a matrix unit (AMX), only a
+    row-major A does, and a 64 x 64 transpose costs far less than the product on the vector
+    code (tpp.has_matrix_unit). The scratch pb (dsb) then holds two blocks: P^T, then P."""
+    return vnni(o) and not o.cuda and tpp.has_matrix_unit(_dt.BF16)
+
+
 @functools.lru_cache(maxsize=256)
 def stats_row_spec(first: bool, block: int):
     """The statistics of the online-softmax step of block (i, j), as a (1 x BQ) equation on

@@ -39,7 +39,7 @@ from tpp.core import dtypes as _dt
 from tpp.runtime.lru import also_clear
 
 from .attention_equations import (  # noqa: F401  (Options, vnni, block_for: ops.flash_attention's)
-    BLOCK, BLOCKS, SEED_BLOCK_BITS, block_for, Options, vnni, stats_row_spec, probs_spec, probs_rescale_spec,
+    BLOCK, BLOCKS, SEED_BLOCK_BITS, block_for, Options, vnni, tiles, stats_row_spec, probs_spec, probs_rescale_spec,
     rescale_spec, finish_row_spec, scale_rows_spec, _brgemm, backward_step_spec,
     delta_spec, scores_spec, exp_spec, drop_spec
 )
@@ -134,7 +134,7 @@ class Forward(_Nest):
         tensor("work", (hc, work_size(d, BQ)))    # st, acc, m, l, alpha, sf, cx (see work_size)
         if bf:
             tensor("qV", (hc, (d + 1) // 2, 2 * BQ), dt)    # Q_i^T in VNNI pairs
-            tensor("pb", (hc, BK, BQ), dt)                  # P^T rounded to bf16
+            tensor("pb", (hc, (2 if tiles(o) else 1) * BK, BQ), dt)  # P^T in bf16 (then P)
             tensor("vV", (hc, BK // 2, 2 * d), dt)          # V_j in VNNI pairs
         self.names = tuple(t)
 
@@ -161,9 +161,11 @@ class Forward(_Nest):
             pack_v = tpp.make_unary("vnni2", BK, d, ldi=d, dtype_in=dt)
             scores = _brgemm(BK, BQ, d, lda=d, ldb=2 * BQ, ldc=BQ, dtype_a=dt, dtype_b=dt,
                              vnni_b=True)
-            pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=2 * d, ldc=d, trans_a=True,
-                                 dtype_a=dt, dtype_b=dt, vnni_b=True, beta=0 if first else 1)
+            pv = {first: _brgemm(BQ, d, BK, lda=BK if tiles(o) else BQ, ldb=2 * d, ldc=d,
+                                 trans_a=not tiles(o), dtype_a=dt, dtype_b=dt, vnni_b=True,
+                                 beta=0 if first else 1)
                   for first in (True, False)}
+            untranspose = tpp.make_unary("transpose", BK, BQ, dtype_in=dt)   # P^T -> P
         else:
             scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
             pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True,
@@ -231,12 +233,15 @@ class Forward(_Nest):
                                 continue
                         if not first:
                             nest.call(rescale, acc, alpha, acc, when=when)
-                v_b = kaddr(c, "v")
+                v_b, p_a = kaddr(c, "v"), p_at
                 if bf:
                     nest.call(pack_v, v_b, t["vV"][h], when=own + visible + kcond)
                     v_b = t["vV"][h]
+                if bf and tiles(o):
+                    p_a = t["pb"][h, BK]
+                    nest.call(untranspose, p_at, p_a, when=own + visible + kcond)
                 for first, fcond in first_cases:
-                    nest.call(pv[first], p_at, v_b, acc,
+                    nest.call(pv[first], p_a, v_b, acc,
                               when=own + visible + kcond + fcond)
                     if not o.dropout:
                         nest.call(sums[first], ones, st, l,
@@ -377,7 +382,7 @@ class Backward(_Nest):
         tensor("dpt", (hk, BK, BQ))
         if bf:
             tensor("pb", (hk, BK, BQ), dt)                      # P^T, dS^T in bf16
-            tensor("dsb", (hk, BK, BQ), dt)
+            tensor("dsb", (hk, (2 if tiles(o) else 1) * BK, BQ), dt)   # dS^T (then dS)
             tensor("kN", (hk, BK // 2, 2 * d), dt)              # K_j in VNNI pairs
         self.names = tuple(t)
 
@@ -398,8 +403,9 @@ class Backward(_Nest):
                              vnni_b=True)
             acc_k = _brgemm(BK, d, BQ, lda=BQ, ldb=2 * d, ldc=d, dtype_a=dt, dtype_b=dt,
                             vnni_b=True, beta=1)
-            acc_q = _brgemm(BQ, d, BK, lda=BQ, ldb=2 * d, ldc=d, trans_a=True, dtype_a=dt,
-                            dtype_b=dt, vnni_b=True, beta=1)
+            acc_q = _brgemm(BQ, d, BK, lda=BK if tiles(o) else BQ, ldb=2 * d, ldc=d,
+                            trans_a=not tiles(o), dtype_a=dt, dtype_b=dt, vnni_b=True, beta=1)
+            untranspose = tpp.make_unary("transpose", BK, BQ, dtype_in=dt)   # dS^T -> dS
         else:
             scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
             # dP^T = V_j dO_i^T; dV_j += P^T dO_i; dK_j += dS^T Q_i; dQ_i += dS K_j
@@ -516,7 +522,11 @@ class Backward(_Nest):
                         nest.call(acc_k, ds_at, q_at, gk, when=step + q_cond)
                     for do_cond, do_at in do_n:
                         nest.call(acc_k, pt_at, do_at, gv, when=step + do_cond)
-                    nest.call(acc_q, ds_at, t["kN"][c] if bf else k_at, gq, when=step)
+                    ds_a = ds_at
+                    if bf and tiles(o):
+                        ds_a = t["dsb"][c, BK]
+                        nest.call(untranspose, ds_at, ds_a, when=step)
+                    nest.call(acc_q, ds_a, t["kN"][c] if bf else k_at, gq, when=step)
                 if direct:
                     continue
                 for cond, addr in q_side("dq", h):      # dQ_i is complete after the last j

@@ -427,8 +427,8 @@ def _forward_run(pr, out3, lse_p, nq, nk):
     if got is None:     # the nests' constant inputs (read only) and the options
         shared = {"cm": B.key_tail_mask(pr.sk, BK), "scale": np.full(1, pr.scale, np.float32),
                   "ones": B.ones(BK)}
-        got = pr.memo["fwd"] = shared, K.vnni(pr.options())
-    shared, vnni = got
+        got = pr.memo["fwd"] = shared, K.vnni(pr.options()), K.tiles(pr.options())
+    shared, vnni, tiles = got
 
     def scratch():
         return dict(B.reused(("fwd", hc, d, dt, vnni, BQ), fresh), **shared)
@@ -438,7 +438,7 @@ def _forward_run(pr, out3, lse_p, nq, nk):
                       work=np.empty((hc, K.work_size(d, BQ)), np.float32))
         if vnni:
             arrays.update(qV=np.empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
-                          pb=np.empty((hc, BK, BQ), dt.numpy),
+                          pb=np.empty((hc, (2 if tiles else 1) * BK, BQ), dt.numpy),
                           vV=np.empty((hc, BK // 2, 2 * d), dt.numpy))
         return arrays
 
@@ -529,7 +529,8 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
                           qN=np.empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
                           doN=np.empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
                           pb=np.empty((hkc, BK, BQ), dt.numpy),
-                          dsb=np.empty((hkc, BK, BQ), dt.numpy),
+                          dsb=np.empty((hkc, (2 if K.tiles(pr.options()) else 1) * BK, BQ),
+                                       dt.numpy),
                           kN=np.empty((hkc, BK // 2, 2 * d), dt.numpy))
         else:
             arrays.update(qT=np.empty((hc, snq, d, BQ), dt.numpy),

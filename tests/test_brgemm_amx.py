@@ -171,3 +171,41 @@ def test_tiles_in_threads_of_a_loop_nest():
     run(xs, wv[None], out, threads=2)
     want = xs.astype(np.float64) @ ws.astype(np.float64)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+
+
+def test_has_matrix_unit_says_where_bf16_runs_on_tiles():
+    """tpp.has_matrix_unit: bf16 exactly where the CPU target has AMX, never another dtype;
+    an unknown dtype is a SpecError as for has_dot_instruction."""
+    assert tpp.has_matrix_unit("bf16") == HAS_AMX
+    assert tpp.has_matrix_unit(tpp.BF16, "cpu") == HAS_AMX
+    assert not tpp.has_matrix_unit("f32") and not tpp.has_matrix_unit("f16")
+    assert not HAS_AMX or tpp.has_dot_instruction("bf16")
+    with pytest.raises(tpp.SpecError):
+        tpp.has_matrix_unit("f64")
+
+
+@needs_amx
+def test_bf16_attention_products_read_p_untransposed_on_tiles():
+    """With tiles, the bf16 attention nests multiply by P and dS (transposed from the P^T and
+    dS^T blocks they keep) instead of reading those with trans_a, which tiles do not run."""
+    import ops.attention_kernels as K
+    from tpp.core import dtypes
+    o = K.Options(64, dtypes.BF16, 1, 1)
+    assert K.tiles(o) and not K.tiles(K.Options(64, dtypes.F32, 1, 1))
+    seen = []
+    real = tpp.make_brgemm
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+    import ops.attention_equations as E
+    old = E.tpp.make_brgemm
+    E.tpp.make_brgemm = spy
+    try:
+        K.Forward(o)
+        K.Backward(o)
+    finally:
+        E.tpp.make_brgemm = old
+    bf = [s for s in seen if s.dtype_a.name == "bf16"]
+    assert bf and not any(s.trans_a for s in bf)
+    assert all(brgemm_amx.eligible(s, target.current()) for s in bf)

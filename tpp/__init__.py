@@ -33,7 +33,7 @@ __all__ = ["unary", "binary", "brgemm", "kernel", "reference", "Kernel", "Brgemm
            "UNARY_OPS", "BINARY_OPS", "F32", "BF16", "F16", "Loop", "LoopNest", "size",
            "equation", "Equation", "EquationKernel", "EquationSpec", "grad",
            "get_num_threads", "set_num_threads", "clear_caches", "cache_info", "Device",
-           "registry", "has_dot_instruction"]
+           "registry", "has_dot_instruction", "has_matrix_unit"]
 
 
 def get_num_threads() -> int:
@@ -57,6 +57,15 @@ def has_dot_instruction(dtype, device=CPU) -> bool:
     ArgumentError."""
     from .core import dtypes
     return dtypes.lookup(dtype).name in registry.for_device(Device.parse(device)).dot_dtypes()
+
+
+def has_matrix_unit(dtype, device=CPU) -> bool:
+    """Whether BRGEMMs of `dtype` with a row-major A and a VNNI-packed B run on a matrix unit
+    of `device` (bf16 on hosts with AMX tiles), where the same product with a transposed A
+    (trans_a) runs on the vector code: an operator holding A transposed may transpose it
+    with the transpose TPP first. Arguments as has_dot_instruction's."""
+    from .core import dtypes
+    return dtypes.lookup(dtype).name in registry.for_device(Device.parse(device)).matrix_dtypes()
 
 
 @functools.lru_cache(maxsize=4096)

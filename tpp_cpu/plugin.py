@@ -119,6 +119,11 @@ class CpuBackend(Backend):
         """{"bf16"} where the target has vdpbf16ps (avx512_bf16 and TPP_CPU_ISA not avx2)."""
         return frozenset({"bf16"}) if target.current().bf16_dot else frozenset()
 
+    def matrix_dtypes(self) -> frozenset:
+        """{"bf16"} where BRGEMMs run on AMX tiles (tpp_cpu.brgemm_amx): bf16 A not transposed,
+        VNNI bf16 B."""
+        return frozenset({"bf16"}) if target.current().amx else frozenset()
+
     # the CPU backend's own controls, reached by tpp.get_num_threads & co. through the registry
     def num_threads(self) -> int:
         return threads.num_threads()

@@ -97,6 +97,12 @@ class Backend:
         other narrow dtypes are widened to f32 and run at the f32 rate either way."""
         return frozenset()
 
+    def matrix_dtypes(self) -> frozenset:
+        """Names of the input dtypes whose BRGEMMs with a row-major A and VNNI-packed B run on
+        a matrix unit (AMX tiles), where a transposed A does not: an operator holding A
+        transposed may transpose it first. A subset of dot_dtypes()."""
+        return frozenset()
+
     def cache_key_parts(self) -> tuple:
         """What besides a spec decides the code this backend makes (generator version,
         compiler, target): part of its cache keys."""
