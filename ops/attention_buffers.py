@@ -15,6 +15,8 @@ import numpy as np
 
 from tpp.runtime import recording
 
+from . import _host
+
 _DUMMIES: dict = {}
 _LOCAL = threading.local()
 _SCRATCH_KEYS = 4        # scratch sets a thread keeps for its next calls
@@ -31,7 +33,7 @@ def dummy(role, shape, dtype):
     if arr is None:
         if len(_DUMMIES) >= 32:
             _DUMMIES.clear()
-        arr = _DUMMIES[key] = np.zeros(shape, dtype)
+        arr = _DUMMIES[key] = _host.np_zeros(shape, dtype)
     return arr
 
 
@@ -58,7 +60,7 @@ def held(role, shape, dtype):
     arrays that no caller sees and that a call is done with when it returns."""
     dtype = np.dtype(dtype)
     if math.prod(shape) * dtype.itemsize > REUSED_BYTES:
-        return np.empty(shape, dtype)
+        return _host.np_empty(shape, dtype)
     cache = getattr(_LOCAL, "tails", None)
     if cache is None:
         cache = _LOCAL.tails = {}
@@ -67,7 +69,7 @@ def held(role, shape, dtype):
     if arr is None:
         if len(cache) >= 4 * _SCRATCH_KEYS:
             cache.clear()
-        arr = cache[key] = np.empty(shape, dtype)
+        arr = cache[key] = _host.np_empty(shape, dtype)
     return arr
 
 

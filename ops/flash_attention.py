@@ -156,9 +156,9 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scal
         from .attention_device import device_backward
         return device_backward(pr, do4, o4, lse, need)
     lse = _numpy(lse)
-    dq = np.empty(shape, pr.dt.numpy)
-    dk = np.empty((pr.b, pr.hk, pr.sk, pr.d), pr.dt.numpy)
-    dv = np.empty_like(dk)
+    dq = _host.np_empty(shape, pr.dt.numpy)
+    dk = _host.np_empty((pr.b, pr.hk, pr.sk, pr.d), pr.dt.numpy)
+    dv = _host.np_empty(dk.shape, dk.dtype)
     if pr.b * pr.h == 0:
         dk[...] = 0
         dv[...] = 0
@@ -400,11 +400,11 @@ def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
         import torch
         result = _host.torch_empty(b, h, sq, d, dtype=getattr(torch, dt.torch_name))
     else:
-        result = np.empty((b, h, sq, d), dt.numpy)
+        result = _host.np_empty((b, h, sq, d), dt.numpy)
     out = _numpy(result)
     nq = -(-sq // BQ)
     nk = -(-sk // BK)
-    lse_p = np.empty((b * h, max(nq, 1) * BQ), np.float32)
+    lse_p = _host.np_empty((b * h, max(nq, 1) * BQ), np.float32)
     if b * h and sq:
         _forward_run(pr, out.reshape(b * h, sq, d), lse_p, nq, nk)
     if not want_lse:        # attention(): the log-sum-exp is not returned
@@ -434,12 +434,12 @@ def _forward_run(pr, out3, lse_p, nq, nk):
         return dict(B.reused(("fwd", hc, d, dt, vnni, BQ), fresh), **shared)
 
     def fresh():
-        arrays = dict(qT=np.empty((hc, d, BQ), dt.numpy),
-                      work=np.empty((hc, K.work_size(d, BQ)), np.float32))
+        arrays = dict(qT=_host.np_empty((hc, d, BQ), dt.numpy),
+                      work=_host.np_empty((hc, K.work_size(d, BQ)), np.float32))
         if vnni:
-            arrays.update(qV=np.empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
-                          pb=np.empty((hc, (2 if tiles else 1) * BK, BQ), dt.numpy),
-                          vV=np.empty((hc, BK // 2, 2 * d), dt.numpy))
+            arrays.update(qV=_host.np_empty((hc, (d + 1) // 2, 2 * BQ), dt.numpy),
+                          pb=_host.np_empty((hc, (2 if tiles else 1) * BK, BQ), dt.numpy),
+                          vV=_host.np_empty((hc, BK // 2, 2 * d), dt.numpy))
         return arrays
 
     masks, mheads = _mask_slabs(pr, nq, nk)
@@ -514,27 +514,27 @@ def _backward_run(pr, do4, o4, lse, dq, dk, dv):
         return dict(fresh(), **shared)
 
     def fresh():
-        arrays = dict(delta=np.empty((hc, snq * BQ), np.float32),
-                      st=np.empty((hkc, BK, BQ), np.float32),
-                      dpt=np.empty((hkc, BK, BQ), np.float32))
+        arrays = dict(delta=_host.np_empty((hc, snq * BQ), np.float32),
+                      st=_host.np_empty((hkc, BK, BQ), np.float32),
+                      dpt=_host.np_empty((hkc, BK, BQ), np.float32))
         if not nest.direct:     # (a direct nest accumulates in dq, dk, dv)
-            arrays.update(gq=np.empty((hc, snq, BQ, d), np.float32),
-                          gk=np.empty((hkc, snk, BK, d), np.float32),
-                          gv=np.empty((hkc, snk, BK, d), np.float32))
+            arrays.update(gq=_host.np_empty((hc, snq, BQ, d), np.float32),
+                          gk=_host.np_empty((hkc, snk, BK, d), np.float32),
+                          gv=_host.np_empty((hkc, snk, BK, d), np.float32))
         if K.vnni(pr.options()):
             pairs = (d + 1) // 2
-            arrays.update(qT=np.empty((hc, d, BQ), dt.numpy),
-                          qV=np.empty((hc, snq, pairs, 2 * BQ), dt.numpy),
-                          doV=np.empty((hc, snq, pairs, 2 * BQ), dt.numpy),
-                          qN=np.empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
-                          doN=np.empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
-                          pb=np.empty((hkc, BK, BQ), dt.numpy),
-                          dsb=np.empty((hkc, (2 if K.tiles(pr.options()) else 1) * BK, BQ),
+            arrays.update(qT=_host.np_empty((hc, d, BQ), dt.numpy),
+                          qV=_host.np_empty((hc, snq, pairs, 2 * BQ), dt.numpy),
+                          doV=_host.np_empty((hc, snq, pairs, 2 * BQ), dt.numpy),
+                          qN=_host.np_empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
+                          doN=_host.np_empty((hc, snq, BQ // 2, 2 * d), dt.numpy),
+                          pb=_host.np_empty((hkc, BK, BQ), dt.numpy),
+                          dsb=_host.np_empty((hkc, (2 if K.tiles(pr.options()) else 1) * BK, BQ),
                                        dt.numpy),
-                          kN=np.empty((hkc, BK // 2, 2 * d), dt.numpy))
+                          kN=_host.np_empty((hkc, BK // 2, 2 * d), dt.numpy))
         else:
-            arrays.update(qT=np.empty((hc, snq, d, BQ), dt.numpy),
-                          doT=np.empty((hc, snq, d, BQ), dt.numpy))
+            arrays.update(qT=_host.np_empty((hc, snq, d, BQ), dt.numpy),
+                          doT=_host.np_empty((hc, snq, d, BQ), dt.numpy))
         return arrays
 
     masks, mheads = _mask_slabs(pr, nq, nk)

@@ -125,3 +125,23 @@ def test_like_views_host_memory_as_torch(dtype):
     assert isinstance(t, torch.Tensor) and t.dtype == getattr(torch, dtype) and t.shape == (2, 3)
     t[0, 0] = 7
     assert float(arr[0, 0]) == 7.0
+
+
+def test_host_arrays_start_at_64_byte_boundaries():
+    """Every host array the operators allocate for numpy callers starts on a cache line (a
+    64-byte AMX tile row or AVX-512 load from it never straddles two), whatever numpy's
+    own placement (a zero-size array has no data to place)."""
+    import numpy as np
+    from ops import _host
+    from tpp.core import dtypes
+    for shape in ((0,), (1,), (3, 5), (64, 64), (7, 33, 9), (1 << 20,)):
+        for dt in (np.float32, dtypes.BF16.numpy, np.uint8):
+            a = _host.np_empty(shape, dt)
+            assert a.shape == shape and a.dtype == np.dtype(dt) and a.flags.c_contiguous
+            assert a.flags.writeable and (a.size == 0 or a.ctypes.data % 64 == 0)
+            z = _host.np_zeros(shape, dt)
+            assert (z.size == 0 or z.ctypes.data % 64 == 0) and not z.view(np.uint8).any()
+    like = np.ones(3, np.float32)
+    assert _host.empty((5, 7), dtypes.BF16, like).ctypes.data % 64 == 0
+    assert _host.zeros((5, 7), dtypes.F32, like).ctypes.data % 64 == 0
+    assert _host.scratch("align-test", (9, 9), dtypes.F32).ctypes.data % 64 == 0
