@@ -85,9 +85,9 @@ def _scores(eq, o: Options, *, diag: bool, tail: bool):
 
 def _exp_nonpos(x):
     """exp of an argument that is <= 0, -inf or NaN: tpp.core.mathlib's exp_nonpos, the cheaper
-    expansion (11 vector operations to exp's 15; e^x for every x <= 44). Attention's arguments
-    are z - m with m >= z (z - 0 = -inf where m = -inf), or m_old - m_new with
-    m_new = max(m_old, ...): see each use."""
+    expansion (11 vector operations with AVX-512 masks, 13 on AVX2, to exp's 15; e^x for
+    every x <= 44). Attention's arguments are z - m with m >= z (z - 0 = -inf where
+    m = -inf), or m_old - m_new with m_new = max(m_old, ...): see each use."""
     return X.prim("exp_nonpos", x)
 
 

@@ -109,8 +109,10 @@ def test_fewer_operations_than_exp():
 
 
 def test_x86_loop_body():
-    """11 vector operations per vector on x86 (one vmaxps clamp, the shifter fma and sub, one
-    Cody-Waite fma, 5 Horner fmas, a shift and a multiply) against exp's 15."""
+    """11 vector operations per vector with AVX-512's masks (the compare of x against -104,
+    the shifter fma and sub, one Cody-Waite fma, 5 Horner fmas, a shift and a multiply; the
+    zeroing of dead lanes folds into masked moves), 13 on AVX2 (two vandnps), against exp's
+    15."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import test_vecmath as tv
     import llvmlite.binding as llvm
@@ -125,7 +127,8 @@ def test_x86_loop_body():
             "addq", "cmpq", "vmovups", "vmovaps") and not ln.startswith("j")]
 
     mine, theirs = body("exp_nonpos"), body("exp")
-    assert len(mine) <= 11 and len(mine) <= len(theirs) - 4, (mine, theirs)
+    most = 11 if llvm.get_host_cpu_features().get("avx512vl") else 13
+    assert len(mine) <= most and len(mine) < len(theirs), (mine, theirs)
 
 
 def test_derivative_is_itself():
