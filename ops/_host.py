@@ -239,7 +239,7 @@ def np_empty(shape, dtype) -> np.ndarray:
     costs two: bf16 BRGEMMs on tiles ran at ~900 instead of ~2700 GFLOP/s (32x32x256 x1000,
     one Sapphire Rapids core) on numpy's placement. dtype: a numpy dtype."""
     dtype = np.dtype(dtype)
-    shape = tuple(shape)
+    shape = tuple(shape) if hasattr(shape, "__iter__") else (int(shape),)
     nbytes = math.prod(shape) * dtype.itemsize
     buf = np.empty(nbytes + ALIGN, np.uint8)
     start = -buf.ctypes.data % ALIGN

@@ -42,6 +42,12 @@ CASES = [
     Case(76, 77, 80, "stride", 2, 0, "vnni", BF + ("f32",), 3, ("row", None, False)),
     Case(64, 20, 14, "stride", 1, 1, "vnni", BF + ("bf16",), 0, (None, "relu", True)),
     Case(44, 9, 74, "offset", 2, 1, "vnni", BF + ("f32",), 1),
+    # odd k: a tail step from zero-filled copies (B's padding half holds NaN here)
+    Case(64, 64, 7, "stride", 3, 1, "vnni", BF + ("f32",)),
+    Case(64, 64, 49, "stride", 2, 0, "vnni", BF + ("bf16",), 0, ("row", "relu", False)),
+    Case(13, 37, 1, "offset", 4, 0, "vnni", BF + ("f32",), 3),
+    Case(40, 24, 33, "address", 2, 1, "vnni", BF + ("f16",), 5, (None, "gelu", False)),
+    Case(17, 100, 95, "stride", 1, 0, "vnni", BF + ("f32",), 0, ("row", None, False), 1),
 ]
 
 
@@ -54,7 +60,7 @@ def test_tiled_cases(case):
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(1, 80), n=st.integers(1, 80), k=st.sampled_from([2, 14, 32, 48, 64, 90]),
+@given(m=st.integers(1, 80), n=st.integers(1, 80), k=st.sampled_from([1, 2, 7, 14, 32, 33, 48, 49, 64, 90]),
        batch=st.sampled_from(["stride", "offset", "address"]), count=st.integers(0, 4),
        beta=st.sampled_from([0, 1]), dtype_c=st.sampled_from(["f32", "bf16", "f16"]),
        pad=st.sampled_from([0, 1, 16, 32]), epilogue=st.sampled_from(EPILOGUES),
@@ -64,7 +70,7 @@ def test_tiled_hypothesis(m, n, k, batch, count, beta, dtype_c, pad, epilogue, s
 
 
 def test_which_specs_run_on_tiles():
-    """Tiles need bf16 A (not transposed) and VNNI bf16 B with an even k; a bitmask with an
+    """Tiles need bf16 A (not transposed) and VNNI bf16 B, any k; a bitmask with an
     overlapping column tile (n > 16, not a multiple of 16) stays on the vector code."""
     on = target.Target("avx512", 16, True, "x", bf16_dot=True, vector_registers=32,
                        masked_lanes=True, amx=True)
@@ -72,7 +78,7 @@ def test_which_specs_run_on_tiles():
                         masked_lanes=True)
     spec = tpp.brgemm(64, 64, 64, dtype_a="bf16", vnni_b=True).spec
     assert brgemm_amx.eligible(spec, on) and not brgemm_amx.eligible(spec, off)
-    for kwargs, want in (({"k": 48}, True), ({"m": 3, "n": 5}, True), ({"k": 33}, False),
+    for kwargs, want in (({"k": 48}, True), ({"m": 3, "n": 5}, True), ({"k": 33}, True),
                          ({"trans_a": True}, False), ({"vnni_b": False}, False),
                          ({"dtype_a": "f16", "dtype_b": "f16"}, False),
                          ({"n": 20, "activation": "relu", "bitmask": True}, False),
@@ -105,6 +111,10 @@ def test_tiles_cover_c_and_overlap_only_inside_a_block():
     for k in range(2, 400, 2):
         steps, ks = brgemm_amx.k_steps(k)
         assert steps * ks == k and ks % 2 == 0 and ks <= 32 and steps >= -(-k // 32)
+    for k in range(1, 400, 2):      # odd: whole steps in place, one tail step from copies
+        lay = brgemm_amx.Layout.of(tpp.brgemm(16, 16, k, dtype_a="bf16", vnni_b=True).spec)
+        assert lay.steps * lay.ks + lay.tail == k and lay.tail % 2 == 1 and lay.ks % 2 == 0
+        assert lay.ks == min(32, k + 1) and lay.tail < lay.ks
 
 
 def test_tile_configuration_bytes():
@@ -126,7 +136,7 @@ def test_tile_configuration_bytes():
 def test_the_code_uses_the_tiles():
     """The assembly configures, multiplies on and releases the tiles, with no vector dot
     products beside them, edges included."""
-    for m, n, k in ((64, 64, 64), (37, 53, 48), (7, 9, 14)):
+    for m, n, k in ((64, 64, 64), (37, 53, 48), (7, 9, 14), (64, 64, 49), (5, 70, 7)):
         asm = tpp.brgemm(m, n, k, dtype_a="bf16", vnni_b=True).dump("asm")
         assert "tdpbf16ps" in asm and "ldtilecfg" in asm and "tilerelease" in asm
         assert "vdpbf16ps" not in asm
@@ -209,3 +219,21 @@ def test_bf16_attention_products_read_p_untransposed_on_tiles():
     bf = [s for s in seen if s.dtype_a.name == "bf16"]
     assert bf and not any(s.trans_a for s in bf)
     assert all(brgemm_amx.eligible(s, target.current()) for s in bf)
+
+
+@pytest.mark.parametrize("m, n, k, count", [(64, 64, 7, 2), (20, 33, 49, 3), (16, 16, 1, 1)])
+def test_odd_k_never_reads_the_padding_half(m, n, k, count):
+    """The last VNNI pair of an odd k has a padding half that may hold anything: NaN there
+    (and NaN in A's column past k, where A's rows are padded) must not reach C."""
+    from test_brgemm import _vnni
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((count, m, k + 1)).astype(np.float32).astype(tpp.BF16.numpy)
+    a[:, :, k] = np.nan                          # A's storage past k (lda = k + 1)
+    bk = rng.standard_normal((count, k, n)).astype(np.float32).astype(tpp.BF16.numpy)
+    bv = _vnni(bk, pad=np.nan)                   # the padding halves NaN
+    assert np.isnan(bv.astype(np.float32)).any()
+    mm = tpp.brgemm(m, n, k, lda=k + 1, dtype_a="bf16", vnni_b=True)
+    got = mm(a[:, :, :k], bv)
+    want = np.einsum("bmk,bkn->mn", a[:, :, :k].astype(np.float64), bk.astype(np.float64))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -134,6 +134,7 @@ def test_host_arrays_start_at_64_byte_boundaries():
     import numpy as np
     from ops import _host
     from tpp.core import dtypes
+    assert _host.np_empty(5, np.float32).shape == (5,)
     for shape in ((0,), (1,), (3, 5), (64, 64), (7, 33, 9), (1 << 20,)):
         for dt in (np.float32, dtypes.BF16.numpy, np.uint8):
             a = _host.np_empty(shape, dt)

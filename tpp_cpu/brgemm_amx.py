@@ -26,13 +26,18 @@ every tile is as large as C allows:
   compute the overlapping rows with the same sums in the same order: the same bits). m < 16:
   one tile of m rows. Columns likewise (16 f32 per tile).
 - k: steps of ks = k / steps values, the fewest steps with ks even and at most 32 (k = 48:
-  two steps of 24). An odd k (a VNNI pair with a padding half) stays on the vector code.
+  two steps of 24). An odd k (whose last VNNI pair has a padding half that may hold
+  anything, NaN included) takes steps of min(32, k + 1) read in place and one tail step read
+  from zero-filled stack copies: A's last columns (masked loads: no read past A's k) and
+  B's last VNNI rows, the padding half cleared (k = 7: one step; k = 49: 32 + 17).
 Where a bitmask is written, the overlapping column tile would start at a column that is not
 a multiple of 8 (the mask's bytes): such specs (n > 16, n % 16 != 0) stay on the vector code.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from llvmlite import ir
 
 from . import amx, irx
 from .irx import F32, I16, i64
@@ -49,7 +54,7 @@ def eligible(spec, target) -> bool:
     """Whether this spec runs on tiles (then all of its C does)."""
     return (target.amx and target.bf16_dot and spec.vnni_b and not spec.trans_a
             and not spec.trans_b and spec.dtype_a.name == "bf16"
-            and spec.dtype_b.name == "bf16" and spec.k % 2 == 0
+            and spec.dtype_b.name == "bf16"
             and not (spec.bitmask and spec.n > TILE and spec.n % TILE))
 
 
@@ -99,16 +104,21 @@ def blocks(extent: int) -> tuple:
 
 @dataclass(frozen=True)
 class Layout:
-    """A kernel's tile shapes: rows and f32 columns of its accumulator tiles, k per step."""
+    """A kernel's tile shapes: rows and f32 columns of its accumulator tiles, k per step;
+    steps read in place, and (odd k) the k values of the tail step read from copies."""
     rows: int
     cols: int
     steps: int
     ks: int
+    tail: int = 0
 
     @classmethod
     def of(cls, spec):
-        steps, ks = k_steps(spec.k)
-        return cls(min(spec.m, TILE), min(spec.n, TILE), steps, ks)
+        rows, cols = min(spec.m, TILE), min(spec.n, TILE)
+        if spec.k % 2 == 0:
+            return cls(rows, cols, *k_steps(spec.k))
+        ks = min(K_STEP, spec.k + 1)
+        return cls(rows, cols, spec.k // ks, ks, spec.k % ks)
 
     def shapes(self) -> list:
         """(rows, bytes per row) of tiles 0-7 (the palette-1 configuration)."""
@@ -129,9 +139,11 @@ class TileBlocks:
 
     def emit(self):
         b = self.b
-        buf = b.alloca(F32, size=SCRATCH_COLS * 2 * TILE, name="amx_tiles")
-        buf.align = 64
-        self.scratch = b.inttoptr(b.ptrtoint(buf, irx.I64), irx.PTR)
+        self.scratch = self._stack(F32, SCRATCH_COLS * 2 * TILE, "amx_tiles")
+        if self.layout.tail:    # the tail step's copies: zero past the tail, once per call
+            ks = self.layout.ks
+            self.a_tail = self._stack(I16, 2 * TILE * ks, "amx_a_tail", zero=True)
+            self.b_tail = self._stack(I16, 2 * (ks // 2) * 2 * TILE, "amx_b_tail", zero=True)
         amx.load_config(b, self.layout.shapes())
         for rb in blocks(self.spec.m):
             with irx.for_range(b, rb.count, name="amx_m") as i:
@@ -141,6 +153,19 @@ class TileBlocks:
                         col0 = b.add(i64(cb.start), b.mul(j, i64(cb.step)))
                         self.block(row0, col0, rb.tiles, cb.tiles)
         amx.release(b)
+
+    def _stack(self, ty, count, name, zero=False):
+        """A 64-byte aligned stack buffer of `count` elements (zeroed: a memset)."""
+        b = self.b
+        buf = b.alloca(ty, size=count, name=name)
+        buf.align = 64
+        ptr = b.inttoptr(b.ptrtoint(buf, irx.I64), irx.PTR)
+        if zero:
+            fn = irx.intrinsic(b.module, "llvm.memset", ir.VoidType(),
+                               [irx.PTR, irx.I8, irx.I64, irx.I1], [irx.PTR, irx.I64])
+            b.call(fn, [ptr, ir.Constant(irx.I8, 0), i64(count * ty.width // 8),
+                        ir.Constant(irx.I1, 0)])
+        return ptr
 
     # ------------------------------------------------------------ one block of tiles
     def block(self, row0, col0, rows, cols):
@@ -155,9 +180,11 @@ class TileBlocks:
             b_cols = [irx.element_ptr(b, b_i, b.mul(c, i64(2)), I16) for c in cols]
             if self.layout.steps == 1:
                 self.k_step(a_rows, b_cols, i64(0))
-            else:
+            elif self.layout.steps > 1:
                 with irx.for_range(b, self.layout.steps, name="amx_k") as kk:
                     self.k_step(a_rows, b_cols, kk)
+            if self.layout.tail:
+                self.tail_step(a_rows, b_cols)
         self.finish(rows, cols)
 
     def k_step(self, a_rows, b_cols, kk):
@@ -165,15 +192,47 @@ class TileBlocks:
         spec, b, ks = self.spec, self.b, self.layout.ks
         a_off = b.mul(kk, i64(ks))                       # bf16 elements along a row
         b_off = b.mul(kk, i64(ks // 2 * spec.ldb))       # VNNI rows down B
-        a_stride, b_stride = 2 * spec.lda, 2 * spec.ldb
-        amx.load(b, A_TILES[0], irx.element_ptr(b, a_rows[0], a_off, I16), a_stride)
-        for c, col in enumerate(b_cols):
-            amx.load(b, B_TILES[c], irx.element_ptr(b, col, b_off, I16), b_stride)
+        self.dots([irx.element_ptr(b, a, a_off, I16) for a in a_rows], 2 * spec.lda,
+                  [irx.element_ptr(b, c, b_off, I16) for c in b_cols], 2 * spec.ldb)
+
+    def dots(self, a_tiles, a_stride, b_tiles, b_stride):
+        """Load the block's A and B tiles (their first rows' addresses, strides in bytes)
+        and multiply every pair into its accumulator."""
+        b = self.b
+        amx.load(b, A_TILES[0], a_tiles[0], a_stride)
+        for c, ptr in enumerate(b_tiles):
+            amx.load(b, B_TILES[c], ptr, b_stride)
             amx.dot_bf16(b, ACC[0][c], A_TILES[0], B_TILES[c])
-        if len(a_rows) == 2:
-            amx.load(b, A_TILES[1], irx.element_ptr(b, a_rows[1], a_off, I16), a_stride)
-            for c in range(len(b_cols)):
+        if len(a_tiles) == 2:
+            amx.load(b, A_TILES[1], a_tiles[1], a_stride)
+            for c in range(len(b_tiles)):
                 amx.dot_bf16(b, ACC[1][c], A_TILES[1], B_TILES[c])
+
+    def tail_step(self, a_rows, b_cols):
+        """The last `tail` (odd) k values from the zero-filled copies: A's columns by masked
+        loads, B's VNNI rows with the last pair's padding half cleared."""
+        spec, b, lay = self.spec, self.b, self.layout
+        k0, ks, pairs = lay.steps * lay.ks, lay.ks, (lay.tail + 1) // 2
+        a_copies, b_copies = [], []
+        for r, a in enumerate(a_rows):
+            dst = irx.element_ptr(b, self.a_tail, i64(r * TILE * ks), I16)
+            with irx.for_range(b, lay.rows, name="amx_a_tail") as y:
+                x = irx.load_vec(b, a, b.add(b.mul(y, i64(spec.lda)), i64(k0)), I16,
+                                 2 * TILE, lay.tail)
+                irx.store_vec(b, x, dst, b.mul(y, i64(ks)), lay.tail)
+            a_copies.append(dst)
+        low = irx.const(irx.vec(irx.I32, TILE), 0xFFFF)
+        for c, col in enumerate(b_cols):
+            dst = irx.element_ptr(b, self.b_tail, i64(c * (ks // 2) * 2 * TILE), I16)
+            for p in range(pairs):
+                row = irx.element_ptr(b, col, i64((k0 // 2 + p) * spec.ldb), I16)
+                x = irx.load_vec(b, row, i64(0), irx.I32, TILE,
+                                 None if lay.cols == TILE else lay.cols, align=2)
+                if p == pairs - 1:
+                    x = b.and_(x, low)          # the padding half of the last pair
+                irx.store_vec(b, x, dst, i64(p * 2 * TILE // 2))
+            b_copies.append(dst)
+        self.dots(a_copies, 2 * ks, b_copies, 4 * TILE)
 
     def c_offset(self, row, col):
         return self.b.add(self.b.mul(row, i64(self.spec.ldc)), col)
