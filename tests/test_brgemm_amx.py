@@ -48,6 +48,13 @@ CASES = [
     Case(13, 37, 1, "offset", 4, 0, "vnni", BF + ("f32",), 3),
     Case(40, 24, 33, "address", 2, 1, "vnni", BF + ("f16",), 5, (None, "gelu", False)),
     Case(17, 100, 95, "stride", 1, 0, "vnni", BF + ("f32",), 0, ("row", None, False), 1),
+    # transposed A (an even k): tiles built from A's stored rows
+    Case(64, 64, 64, "stride", 2, 1, "ta.vnni", BF + ("f32",)),
+    Case(37, 53, 48, "offset", 3, 0, "ta.vnni", BF + ("bf16",), 3, ("row", "gelu", False)),
+    Case(7, 9, 14, "address", 2, 1, "ta.vnni", BF + ("f16",)),
+    Case(64, 64, 256, "stride", 1, 0, "ta.vnni", BF + ("f32",), 5, (None, "relu", True)),
+    Case(20, 30, 2, "stride", 0, 1, "ta.vnni", BF + ("f32",), 0, ("row", None, False)),
+    Case(13, 40, 33, "address", 3, 1, "ta.vnni", BF + ("bf16",), 3),     # odd: vector code
 ]
 
 
@@ -55,7 +62,9 @@ CASES = [
 def test_tiled_cases(case):
     spec = case.kernel().spec
     mask_overlap = spec.bitmask and spec.n > 16 and spec.n % 16    # stays on the vector code
-    assert brgemm_amx.eligible(spec, target.current()) == (HAS_AMX and not mask_overlap)
+    odd_transposed = spec.trans_a and spec.k % 2                    # so does this
+    assert brgemm_amx.eligible(spec, target.current()) == \
+        (HAS_AMX and not mask_overlap and not odd_transposed)
     _run_case(case)
 
 
@@ -64,13 +73,13 @@ def test_tiled_cases(case):
        batch=st.sampled_from(["stride", "offset", "address"]), count=st.integers(0, 4),
        beta=st.sampled_from([0, 1]), dtype_c=st.sampled_from(["f32", "bf16", "f16"]),
        pad=st.sampled_from([0, 1, 16, 32]), epilogue=st.sampled_from(EPILOGUES),
-       spare=st.sampled_from([0, 1]))
-def test_tiled_hypothesis(m, n, k, batch, count, beta, dtype_c, pad, epilogue, spare):
-    _run_case(Case(m, n, k, batch, count, beta, "vnni", BF + (dtype_c,), pad, epilogue, spare))
+       spare=st.sampled_from([0, 1]), layout=st.sampled_from(["vnni", "ta.vnni"]))
+def test_tiled_hypothesis(m, n, k, batch, count, beta, dtype_c, pad, epilogue, spare, layout):
+    _run_case(Case(m, n, k, batch, count, beta, layout, BF + (dtype_c,), pad, epilogue, spare))
 
 
 def test_which_specs_run_on_tiles():
-    """Tiles need bf16 A (not transposed) and VNNI bf16 B, any k; a bitmask with an
+    """Tiles need bf16 A and VNNI bf16 B, any k (a transposed A: an even k); a bitmask with an
     overlapping column tile (n > 16, not a multiple of 16) stays on the vector code."""
     on = target.Target("avx512", 16, True, "x", bf16_dot=True, vector_registers=32,
                        masked_lanes=True, amx=True)
@@ -79,7 +88,8 @@ def test_which_specs_run_on_tiles():
     spec = tpp.brgemm(64, 64, 64, dtype_a="bf16", vnni_b=True).spec
     assert brgemm_amx.eligible(spec, on) and not brgemm_amx.eligible(spec, off)
     for kwargs, want in (({"k": 48}, True), ({"m": 3, "n": 5}, True), ({"k": 33}, True),
-                         ({"trans_a": True}, False), ({"vnni_b": False}, False),
+                         ({"trans_a": True}, True), ({"trans_a": True, "k": 33}, False),
+                         ({"vnni_b": False}, False),
                          ({"dtype_a": "f16", "dtype_b": "f16"}, False),
                          ({"n": 20, "activation": "relu", "bitmask": True}, False),
                          ({"n": 12, "activation": "relu", "bitmask": True}, True),
@@ -196,8 +206,9 @@ def test_has_matrix_unit_says_where_bf16_runs_on_tiles():
 
 @needs_amx
 def test_bf16_attention_products_read_p_untransposed_on_tiles():
-    """With tiles, the bf16 attention nests multiply by P and dS (transposed from the P^T and
-    dS^T blocks they keep) instead of reading those with trans_a, which tiles do not run."""
+    """With tiles, the bf16 attention nests multiply by P and dS (transposed once from the
+    P^T and dS^T blocks they keep) instead of reading those with trans_a, which tiles run by
+    transposing per k step and column block."""
     import ops.attention_kernels as K
     from tpp.core import dtypes
     o = K.Options(64, dtypes.BF16, 1, 1)

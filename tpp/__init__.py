@@ -61,9 +61,10 @@ def has_dot_instruction(dtype, device=CPU) -> bool:
 
 def has_matrix_unit(dtype, device=CPU) -> bool:
     """Whether BRGEMMs of `dtype` with a row-major A and a VNNI-packed B run on a matrix unit
-    of `device` (bf16 on hosts with AMX tiles), where the same product with a transposed A
-    (trans_a) runs on the vector code: an operator holding A transposed may transpose it
-    with the transpose TPP first. Arguments as has_dot_instruction's."""
+    of `device` (bf16 on hosts with AMX tiles). There a transposed A (trans_a) is turned into
+    tile rows inside the kernel at every k step of every column block: an operator that
+    reuses a transposed A across many products may transpose it once with the transpose TPP
+    instead. Arguments as has_dot_instruction's."""
     from .core import dtypes
     return dtypes.lookup(dtype).name in registry.for_device(Device.parse(device)).matrix_dtypes()
 

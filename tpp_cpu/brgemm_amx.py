@@ -32,6 +32,13 @@ every tile is as large as C allows:
   B's last VNNI rows, the padding half cleared (k = 7: one step; k = 49: 32 + 17).
 Where a bitmask is written, the overlapping column tile would start at a column that is not
 a multiple of 8 (the mask's bytes): such specs (n > 16, n % 16 != 0) stay on the vector code.
+
+Transposed A (trans_a: A stored (k, m), an even k): tiles read A's rows, so each A tile is
+built per k step in a stack buffer: two stored rows (k values 2p, 2p+1) interleave into the
+VNNI pair of column p for 16 rows of A, and a 16 x 16 transpose of those 32-bit pairs
+(tpp_cpu.transform.transpose_tile) gives the tile's rows: ~100 vector instructions per tile
+beside its multiplies, still far faster than vdpbf16ps on this core (conv's 1x1 data
+gradients read their operand so).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from dataclasses import dataclass
 
 from llvmlite import ir
 
-from . import amx, irx
+from . import amx, irx, transform
 from .irx import F32, I16, i64
 
 TILE = 16            # most rows, and most f32 columns, of an accumulator tile
@@ -52,9 +59,9 @@ SCRATCH_COLS = 2 * TILE  # f32 per row of the stack buffer (a 32 x 32 block)
 
 def eligible(spec, target) -> bool:
     """Whether this spec runs on tiles (then all of its C does)."""
-    return (target.amx and target.bf16_dot and spec.vnni_b and not spec.trans_a
-            and not spec.trans_b and spec.dtype_a.name == "bf16"
-            and spec.dtype_b.name == "bf16"
+    return (target.amx and target.bf16_dot and spec.vnni_b and not spec.trans_b
+            and spec.dtype_a.name == "bf16" and spec.dtype_b.name == "bf16"
+            and not (spec.trans_a and spec.k % 2)
             and not (spec.bitmask and spec.n > TILE and spec.n % TILE))
 
 
@@ -140,6 +147,8 @@ class TileBlocks:
     def emit(self):
         b = self.b
         self.scratch = self._stack(F32, SCRATCH_COLS * 2 * TILE, "amx_tiles")
+        if self.spec.trans_a:   # the A tiles built from A's stored rows, per k step
+            self.a_built = self._stack(I16, 2 * TILE * 2 * TILE, "amx_a_rows")
         if self.layout.tail:    # the tail step's copies: zero past the tail, once per call
             ks = self.layout.ks
             self.a_tail = self._stack(I16, 2 * TILE * ks, "amx_a_tail", zero=True)
@@ -176,7 +185,8 @@ class TileBlocks:
         self.start(rows, cols)
         with irx.for_range(b, self.gen.count, name="amx_batch") as i:
             a_i, b_i = self.gen.batch_pointers(i)
-            a_rows = [irx.element_ptr(b, a_i, b.mul(r, i64(spec.lda)), I16) for r in rows]
+            a_rows = [irx.element_ptr(b, a_i, r if spec.trans_a else b.mul(r, i64(spec.lda)),
+                                      I16) for r in rows]
             b_cols = [irx.element_ptr(b, b_i, b.mul(c, i64(2)), I16) for c in cols]
             if self.layout.steps == 1:
                 self.k_step(a_rows, b_cols, i64(0))
@@ -190,10 +200,36 @@ class TileBlocks:
     def k_step(self, a_rows, b_cols, kk):
         """acc += A[:, ks kk : ks (kk+1)] B[ks kk : ks (kk+1), :] for the block's tiles."""
         spec, b, ks = self.spec, self.b, self.layout.ks
-        a_off = b.mul(kk, i64(ks))                       # bf16 elements along a row
         b_off = b.mul(kk, i64(ks // 2 * spec.ldb))       # VNNI rows down B
+        b_tiles = [irx.element_ptr(b, c, b_off, I16) for c in b_cols]
+        if spec.trans_a:
+            self.dots([self.build_a(r, a, b.mul(kk, i64(ks))) for r, a in enumerate(a_rows)],
+                      4 * TILE, b_tiles, 2 * spec.ldb)
+            return
+        a_off = b.mul(kk, i64(ks))                       # bf16 elements along a row
         self.dots([irx.element_ptr(b, a, a_off, I16) for a in a_rows], 2 * spec.lda,
-                  [irx.element_ptr(b, c, b_off, I16) for c in b_cols], 2 * spec.ldb)
+                  b_tiles, 2 * spec.ldb)
+
+    def build_a(self, slot, a_col, k0):
+        """The A tile of rows a_col .. a_col + 15 of a transposed A (stored (k, m): a_col
+        points at stored row 0, column of the tile's first row) and k values k0 .. k0 + ks - 1,
+        into the stack buffer of `slot`; returns its address (rows of 64 bytes)."""
+        spec, b, lay = self.spec, self.b, self.layout
+        count = None if lay.rows == TILE else lay.rows
+        pairs = []
+        for p in range(TILE):
+            if p >= lay.ks // 2:
+                pairs.append(irx.const(irx.vec(irx.I32, TILE), 0))
+                continue
+            even, odd = (irx.load_vec(b, a_col, b.mul(b.add(k0, i64(2 * p + t)), i64(spec.lda)),
+                                      I16, TILE, count) for t in (0, 1))
+            both = irx.shuffle(b, even, odd, [x for j in range(TILE) for x in (j, TILE + j)])
+            pairs.append(b.bitcast(both, irx.vec(irx.I32, TILE)))
+        rows = transform.transpose_tile(b, pairs, 4)
+        dst = irx.element_ptr(b, self.a_built, i64(slot * TILE * 2 * TILE), I16)
+        for r in range(lay.rows):
+            irx.store_vec(b, rows[r], dst, i64(r * TILE))   # <16 x i32>: 64 bytes a row
+        return dst
 
     def dots(self, a_tiles, a_stride, b_tiles, b_stride):
         """Load the block's A and B tiles (their first rows' addresses, strides in bytes)

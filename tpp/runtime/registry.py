@@ -99,8 +99,8 @@ class Backend:
 
     def matrix_dtypes(self) -> frozenset:
         """Names of the input dtypes whose BRGEMMs with a row-major A and VNNI-packed B run on
-        a matrix unit (AMX tiles), where a transposed A does not: an operator holding A
-        transposed may transpose it first. A subset of dot_dtypes()."""
+        a matrix unit (AMX tiles); a transposed A costs a transposition inside the kernel
+        there, which an operator may do once itself. A subset of dot_dtypes()."""
         return frozenset()
 
     def cache_key_parts(self) -> tuple:
