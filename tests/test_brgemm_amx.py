@@ -195,13 +195,17 @@ def test_tiles_in_threads_of_a_loop_nest():
 
 def test_has_matrix_unit_says_where_bf16_runs_on_tiles():
     """tpp.has_matrix_unit: bf16 exactly where the CPU target has AMX, never another dtype;
-    an unknown dtype is a SpecError as for has_dot_instruction."""
+    an unknown dtype is a SpecError and a device no backend runs an UnsupportedError, as for
+    has_dot_instruction."""
     assert tpp.has_matrix_unit("bf16") == HAS_AMX
     assert tpp.has_matrix_unit(tpp.BF16, "cpu") == HAS_AMX
     assert not tpp.has_matrix_unit("f32") and not tpp.has_matrix_unit("f16")
     assert not HAS_AMX or tpp.has_dot_instruction("bf16")
     with pytest.raises(tpp.SpecError):
         tpp.has_matrix_unit("f64")
+    with pytest.raises(tpp.UnsupportedError):          # a device no backend runs
+        tpp.has_matrix_unit("bf16", "tpu:0")
+    assert not tpp.has_matrix_unit("bf16", "cuda")      # the CUDA backend claims none
 
 
 @needs_amx
