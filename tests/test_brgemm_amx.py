@@ -142,6 +142,16 @@ def test_tile_configuration_bytes():
             amx.config_bytes(bad)
 
 
+def test_tile_code_compiles_for_a_cpu_without_tiles():
+    """A target with amx carries the tile features to LLVM whatever its CPU, so its code can
+    be generated (and looked at) on any host."""
+    from tpp_cpu import backend
+    tgt = target.Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True,
+                        vector_registers=32, masked_lanes=True, amx=True)
+    asm = backend.dump(tpp.brgemm(37, 40, 49, dtype_a="bf16", vnni_b=True).spec, "asm", tgt)
+    assert "tdpbf16ps" in asm and "ldtilecfg" in asm
+
+
 @needs_amx
 def test_the_code_uses_the_tiles():
     """The assembly configures, multiplies on and releases the tiles, with no vector dot

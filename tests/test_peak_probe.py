@@ -33,13 +33,16 @@ def test_probe_loop_is_register_resident(isa, kind, instruction, reg):
 def test_amx_probe_loop_is_tile_dots_only():
     """On an AMX target the bf16 probe is four accumulator tiles, UNROLL dots each a trip,
     and nothing else in the loop (assembly only: any host can look at it)."""
-    tgt = dataclasses.replace(target.make_target("avx512"), amx=True, bf16_dot=True)
-    asm = peak_probe.assembly("bf16", tgt)
-    body = _loop(asm)
-    dots = re.findall(r"^\s+tdpbf16ps\s+%tmm[67], %tmm[45], %tmm[0-3]$", body, re.M)
-    assert len(dots) == 4 * peak_probe.UNROLL and "tileloadd" not in body
-    assert "ldtilecfg" in asm and "tilerelease" in asm
-    assert peak_probe.flops_per_iteration("bf16", tgt) == len(dots) * 16 * 16 * 32 * 2
+    host = dataclasses.replace(target.make_target("avx512"), amx=True, bf16_dot=True)
+    other = target.Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True,
+                          vector_registers=32, masked_lanes=True, amx=True)   # a CPU without
+    for tgt in (host, other):
+        asm = peak_probe.assembly("bf16", tgt)
+        body = _loop(asm)
+        dots = re.findall(r"^\s+tdpbf16ps\s+%tmm[67], %tmm[45], %tmm[0-3]$", body, re.M)
+        assert len(dots) == 4 * peak_probe.UNROLL and "tileloadd" not in body
+        assert "ldtilecfg" in asm and "tilerelease" in asm
+        assert peak_probe.flops_per_iteration("bf16", tgt) == len(dots) * 16 * 16 * 32 * 2
 
 
 def test_bf16_probe_falls_back_to_f32_without_a_dot_instruction():

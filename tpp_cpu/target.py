@@ -121,13 +121,18 @@ def current() -> Target:
     return make_target(host_isa() if isa == "auto" else isa)
 
 
+_AMX_FEATURES = "+amx-tile,+amx-bf16"
+
+
 def llvm_cpu_and_features(target: Target) -> tuple:
-    """The (cpu, features) strings to give LLVM's target machine for this target."""
+    """The (cpu, features) strings to give LLVM's target machine for this target; a target
+    with amx gets the tile features whatever its CPU (code for inspection included)."""
+    extra = ",".join(f for f in (target.features, _AMX_FEATURES if target.amx else "") if f)
     if target.cpu != "host":
-        return target.cpu, target.features
+        return target.cpu, extra
     from . import jit
     llvm = jit.llvm()
     features = llvm.get_host_cpu_features().flatten()
-    if target.features:
-        features = f"{features},{target.features}"
+    if extra:
+        features = f"{features},{extra}"
     return llvm.get_host_cpu_name(), features
