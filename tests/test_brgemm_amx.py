@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import ops
 import tpp
 from test_brgemm import EPILOGUES, Case, _run_case
 from tpp_cpu import amx, brgemm_amx, target
@@ -262,3 +263,20 @@ def test_odd_k_never_reads_the_padding_half(m, n, k, count):
     want = np.einsum("bmk,bkn->mn", a[:, :, :k].astype(np.float64), bk.astype(np.float64))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_panels_are_wider_where_tiles_multiply():
+    """default_bn: 64 (all of a narrower N) on vector code; with tiles the widest of 256,
+    192, 128 that cuts N into equal panels, else 64. pack_* use it for bf16 host weights
+    exactly where tpp.has_matrix_unit('bf16'); f32 keeps 64."""
+    from ops.packing import default_bn
+    assert [default_bn(n) for n in (1, 63, 64, 384, 1536)] == [1, 63, 64, 64, 64]
+    assert [default_bn(n, True) for n in (48, 64, 70, 128, 384, 1152, 1536, 640)] == \
+        [48, 64, 64, 128, 192, 192, 256, 128]
+    tiles = tpp.has_matrix_unit("bf16")
+    w = np.ones((384, 40), tpp.BF16.numpy)
+    assert ops.pack_nk(w).bn == (192 if tiles else 64)
+    assert ops.pack_nk(w.astype(np.float32)).bn == 64
+    x = np.ones((5, 40), tpp.BF16.numpy)
+    np.testing.assert_array_equal(ops.linear(x, ops.pack_nk(w)).astype(np.float32),
+                                  np.full((5, 384), 40.0, np.float32))

@@ -588,20 +588,3 @@ def test_cached_plan_still_checks_the_weight():
     ops.matmul(af, b7.astype(np.float32))
     with pytest.raises(ArgumentError, match="input is f32 but the weight is bf16"):
         ops.matmul(af, b7)
-
-
-def test_bf16_panels_are_wider_where_tiles_multiply():
-    """default_bn: 64 (all of a narrower N) on vector code; with tiles the widest of 256,
-    192, 128 that cuts N into equal panels, else 64. pack_* use it for bf16 host weights
-    exactly where tpp.has_matrix_unit('bf16'); f32 keeps 64."""
-    from ops.packing import default_bn
-    assert [default_bn(n) for n in (1, 63, 64, 384, 1536)] == [1, 63, 64, 64, 64]
-    assert [default_bn(n, True) for n in (48, 64, 70, 128, 384, 1152, 1536, 640)] == \
-        [48, 64, 64, 128, 192, 192, 256, 128]
-    tiles = tpp.has_matrix_unit("bf16")
-    w = np.ones((384, 40), tpp.BF16.numpy)
-    assert ops.pack_nk(w).bn == (192 if tiles else 64)
-    assert ops.pack_nk(w.astype(np.float32)).bn == 64
-    x = np.ones((5, 40), tpp.BF16.numpy)
-    np.testing.assert_array_equal(ops.linear(x, ops.pack_nk(w)).astype(np.float32),
-                                  np.full((5, 384), 40.0, np.float32))
