@@ -233,17 +233,23 @@ def dtype_of(x, name: str) -> _dt.DType:
 ALIGN = 64     # bytes: where every host array the operators allocate starts
 
 
-def np_empty(shape, dtype) -> np.ndarray:
-    """np.empty at a 64-byte boundary (a view into a buffer 64 bytes larger). numpy only
-    promises 16 bytes, and a 64-byte load or AMX tile row that straddles two cache lines
-    costs two: bf16 BRGEMMs on tiles ran at ~900 instead of ~2700 GFLOP/s (32x32x256 x1000,
-    one Sapphire Rapids core) on numpy's placement. dtype: a numpy dtype."""
+ALIGNED_FROM = 1 << 16   # bytes from which per-call outputs are aligned (np_empty's from_bytes)
+
+
+def np_empty(shape, dtype, from_bytes: int = 0) -> np.ndarray:
+    """np.empty at a 64-byte boundary (an array over a buffer 64 bytes larger) when it holds
+    from_bytes or more, else plain np.empty. numpy only promises 16 bytes, and a 64-byte
+    load or AMX tile row that straddles two cache lines costs two: bf16 BRGEMMs on tiles ran
+    at ~900 instead of ~2700 GFLOP/s (32x32x256 x1000, one Sapphire Rapids core) on numpy's
+    placement. The aligned array costs ~1 us to make against np.empty's ~0.25: a per-call
+    output of a small problem passes from_bytes (ALIGNED_FROM). dtype: a numpy dtype."""
     dtype = np.dtype(dtype)
     shape = tuple(shape) if hasattr(shape, "__iter__") else (int(shape),)
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < from_bytes:
+        return np.empty(shape, dtype)
     buf = np.empty(nbytes + ALIGN, np.uint8)
-    start = -buf.ctypes.data % ALIGN
-    return buf[start:start + nbytes].view(dtype).reshape(shape)
+    return np.ndarray(shape, dtype, buf, -arrays.address(buf) % ALIGN)
 
 
 def np_zeros(shape, dtype) -> np.ndarray:

@@ -156,9 +156,9 @@ def attention_backward(dout, q, k, v, out, lse, *, mask=None, causal=False, scal
         from .attention_device import device_backward
         return device_backward(pr, do4, o4, lse, need)
     lse = _numpy(lse)
-    dq = _host.np_empty(shape, pr.dt.numpy)
-    dk = _host.np_empty((pr.b, pr.hk, pr.sk, pr.d), pr.dt.numpy)
-    dv = _host.np_empty(dk.shape, dk.dtype)
+    dq = _host.np_empty(shape, pr.dt.numpy, _host.ALIGNED_FROM)
+    dk = _host.np_empty((pr.b, pr.hk, pr.sk, pr.d), pr.dt.numpy, _host.ALIGNED_FROM)
+    dv = _host.np_empty(dk.shape, dk.dtype, _host.ALIGNED_FROM)
     if pr.b * pr.h == 0:
         dk[...] = 0
         dv[...] = 0
@@ -400,11 +400,11 @@ def _forward(q, k, v, mask, causal, scale, dropout_p, seed, want_lse=True):
         import torch
         result = _host.torch_empty(b, h, sq, d, dtype=getattr(torch, dt.torch_name))
     else:
-        result = _host.np_empty((b, h, sq, d), dt.numpy)
+        result = _host.np_empty((b, h, sq, d), dt.numpy, _host.ALIGNED_FROM)
     out = _numpy(result)
     nq = -(-sq // BQ)
     nk = -(-sk // BK)
-    lse_p = _host.np_empty((b * h, max(nq, 1) * BQ), np.float32)
+    lse_p = _host.np_empty((b * h, max(nq, 1) * BQ), np.float32, _host.ALIGNED_FROM)
     if b * h and sq:
         _forward_run(pr, out.reshape(b * h, sq, d), lse_p, nq, nk)
     if not want_lse:        # attention(): the log-sum-exp is not returned

@@ -348,7 +348,7 @@ class _Plan:
             return None
         else:
             pb = _DATA_FIELD(id(bias) + _DATA_OFFSET).value
-        out = _host.np_empty((shape[0], self.n), self.np_out)
+        out = _host.np_empty((shape[0], self.n), self.np_out, _host.ALIGNED_FROM)
         fn(_DATA_FIELD(id(x) + _DATA_OFFSET).value, _DATA_FIELD(id(data) + _DATA_OFFSET).value,
            _DATA_FIELD(id(out) + _DATA_OFFSET).value, pb, 0, 1, 0, 0)
         return out
@@ -384,7 +384,7 @@ class _Plan:
             _host.same_device(**{name: a, "bias": bias})     # a device bias is a mix
         if out is None:
             if type(a) is _NDARRAY:
-                out = _host.np_empty((m, self.n), self.np_out)
+                out = _host.np_empty((m, self.n), self.np_out, _host.ALIGNED_FROM)
             else:
                 tdt = self.torch_out
                 if tdt is None:

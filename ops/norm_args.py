@@ -3,8 +3,6 @@ vectors, eps and scale as f32 scalars, saved statistics and `need` tuples, each 
 clear ArgumentError (shared by ops.norms and ops.residual_norm)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from tpp.core import dtypes as _dt
@@ -116,12 +114,7 @@ ALIGNED_BYTES = 1 << 20     # outputs this big start at a 64-byte boundary (_np_
 
 
 def _np_empty(shape, dtype, like):
-    """np.empty, but at a 64-byte boundary from ALIGNED_BYTES up (a view of a slightly larger
-    buffer): tpp_cpu's equations then stream their block outputs with one non-temporal store
-    per vector instead of four 16-byte pieces (numpy promises 16-byte alignment only)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < ALIGNED_BYTES:
-        return np.empty(shape, dtype.numpy)
-    buf = np.empty(nbytes + 64, np.uint8)
-    start = -buf.ctypes.data % 64
-    return buf[start:start + nbytes].view(dtype.numpy).reshape(shape)
+    """np.empty, but at a 64-byte boundary from ALIGNED_BYTES up (_host.np_empty): tpp_cpu's
+    equations then stream their block outputs with one non-temporal store per vector instead
+    of four 16-byte pieces (numpy promises 16-byte alignment only)."""
+    return _host.np_empty(shape, dtype.numpy, ALIGNED_BYTES)
