@@ -109,6 +109,7 @@ class Forward(_Nest):
             a, qi, j = nest.vars
         hk = hc // group
         bf = vnni(o)
+        tiled = tiles(o)    # P^T transposed to P once per block for the P V product
         t = {}
 
         def tensor(name, shape, dtype=_dt.F32):
@@ -134,7 +135,7 @@ class Forward(_Nest):
         tensor("work", (hc, work_size(d, BQ)))    # st, acc, m, l, alpha, sf, cx (see work_size)
         if bf:
             tensor("qV", (hc, (d + 1) // 2, 2 * BQ), dt)    # Q_i^T in VNNI pairs
-            tensor("pb", (hc, (2 if tiles(o) else 1) * BK, BQ), dt)  # P^T in bf16 (then P)
+            tensor("pb", (hc, (2 if tiled else 1) * BK, BQ), dt)  # P^T in bf16 (then P)
             tensor("vV", (hc, BK // 2, 2 * d), dt)          # V_j in VNNI pairs
         self.names = tuple(t)
 
@@ -161,11 +162,12 @@ class Forward(_Nest):
             pack_v = tpp.make_unary("vnni2", BK, d, ldi=d, dtype_in=dt)
             scores = _brgemm(BK, BQ, d, lda=d, ldb=2 * BQ, ldc=BQ, dtype_a=dt, dtype_b=dt,
                              vnni_b=True)
-            pv = {first: _brgemm(BQ, d, BK, lda=BK if tiles(o) else BQ, ldb=2 * d, ldc=d,
-                                 trans_a=not tiles(o), dtype_a=dt, dtype_b=dt, vnni_b=True,
+            pv = {first: _brgemm(BQ, d, BK, lda=BK if tiled else BQ, ldb=2 * d, ldc=d,
+                                 trans_a=not tiled, dtype_a=dt, dtype_b=dt, vnni_b=True,
                                  beta=0 if first else 1)
                   for first in (True, False)}
-            untranspose = tpp.make_unary("transpose", BK, BQ, dtype_in=dt)   # P^T -> P
+            if tiled:
+                untranspose = tpp.make_unary("transpose", BK, BQ, dtype_in=dt)   # P^T -> P
         else:
             scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
             pv = {first: _brgemm(BQ, d, BK, lda=BQ, ldb=d, ldc=d, trans_a=True,
@@ -237,7 +239,7 @@ class Forward(_Nest):
                 if bf:
                     nest.call(pack_v, v_b, t["vV"][h], when=own + visible + kcond)
                     v_b = t["vV"][h]
-                if bf and tiles(o):
+                if tiled:
                     p_a = t["pb"][h, BK]
                     nest.call(untranspose, p_at, p_a, when=own + visible + kcond)
                 for first, fcond in first_cases:
@@ -335,6 +337,7 @@ class Backward(_Nest):
             a, j, i = nest.vars
             ii, snq, snk, jj = i, nq, 1, 0
         bf = vnni(o)
+        tiled = tiles(o)    # dS^T transposed to dS once per block for the dQ product
         # f32 on the host, one call per chunk: dQ, dK, dV accumulated in the outputs (their
         # first product with beta 0), no gq / gk / gv, no zeroing and no copies out
         self.direct = direct = dt == _dt.F32 and not o.cuda and not per_block
@@ -382,7 +385,7 @@ class Backward(_Nest):
         tensor("dpt", (hk, BK, BQ))
         if bf:
             tensor("pb", (hk, BK, BQ), dt)                      # P^T, dS^T in bf16
-            tensor("dsb", (hk, (2 if tiles(o) else 1) * BK, BQ), dt)   # dS^T (then dS)
+            tensor("dsb", (hk, (2 if tiled else 1) * BK, BQ), dt)   # dS^T (then dS)
             tensor("kN", (hk, BK // 2, 2 * d), dt)              # K_j in VNNI pairs
         self.names = tuple(t)
 
@@ -403,9 +406,10 @@ class Backward(_Nest):
                              vnni_b=True)
             acc_k = _brgemm(BK, d, BQ, lda=BQ, ldb=2 * d, ldc=d, dtype_a=dt, dtype_b=dt,
                             vnni_b=True, beta=1)
-            acc_q = _brgemm(BQ, d, BK, lda=BK if tiles(o) else BQ, ldb=2 * d, ldc=d,
-                            trans_a=not tiles(o), dtype_a=dt, dtype_b=dt, vnni_b=True, beta=1)
-            untranspose = tpp.make_unary("transpose", BK, BQ, dtype_in=dt)   # dS^T -> dS
+            acc_q = _brgemm(BQ, d, BK, lda=BK if tiled else BQ, ldb=2 * d, ldc=d,
+                            trans_a=not tiled, dtype_a=dt, dtype_b=dt, vnni_b=True, beta=1)
+            if tiled:
+                untranspose = tpp.make_unary("transpose", BK, BQ, dtype_in=dt)   # dS^T -> dS
         else:
             scores = _brgemm(BK, BQ, d, lda=d, ldb=BQ, ldc=BQ, dtype_a=dt, dtype_b=dt)
             # dP^T = V_j dO_i^T; dV_j += P^T dO_i; dK_j += dS^T Q_i; dQ_i += dS K_j
@@ -523,7 +527,7 @@ class Backward(_Nest):
                     for do_cond, do_at in do_n:
                         nest.call(acc_k, pt_at, do_at, gv, when=step + do_cond)
                     ds_a = ds_at
-                    if bf and tiles(o):
+                    if tiled:
                         ds_a = t["dsb"][c, BK]
                         nest.call(untranspose, ds_at, ds_a, when=step)
                     nest.call(acc_q, ds_a, t["kN"][c] if bf else k_at, gq, when=step)

@@ -9,9 +9,9 @@ of an AVX-512 FMA; on a Sapphire Rapids core it issues every 16 cycles (1024 f32
 cycle, ~3 TFLOP/s at 3 GHz, against ~200 GFLOP/s of AVX-512 FMAs).
 
 Linux enables the tile data state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-XFEATURE_XTILEDATA): a tile instruction before that kills the process (SIGILL). `permitted()`
-asks once per process; the CPU target (tpp_cpu.target) uses AMX only where the CPU has it and
-the request succeeded, and TPP_CPU_AMX=0 turns it off.
+XFEATURE_XTILEDATA): a tile instruction before that kills the process (SIGILL). The CPU
+target (tpp_cpu.target, which imports no LLVM) asks once per process and uses AMX only where
+the CPU has it and the request succeeded; TPP_CPU_AMX=0 turns it off.
 
 Tiles take their shapes from a 64-byte configuration loaded by `ldtilecfg` (which also zeroes
 every tile). A kernel that uses tiles loads its configuration on entry and releases the tiles
@@ -26,10 +26,6 @@ generator allocates the eight tiles itself.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-
 from llvmlite import ir
 
 from .irx import I8, I64, PTR
@@ -37,27 +33,6 @@ from .irx import I8, I64, PTR
 TILES = 8
 ROWS = 16            # most rows of a tile
 ROW_BYTES = 64       # most bytes of a tile row
-
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
-_SYS_ARCH_PRCTL = 158          # x86-64
-
-
-def disabled_by_env() -> bool:
-    """TPP_CPU_AMX=0 (or off/no/false) keeps the generators off the tiles."""
-    return os.environ.get("TPP_CPU_AMX", "").strip().lower() in ("0", "off", "no", "false")
-
-
-@functools.lru_cache(maxsize=None)
-def permitted() -> bool:
-    """Ask Linux (once per process) to enable the tile data state; True when it did."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
-                            ctypes.c_long(_XFEATURE_XTILEDATA)) == 0
-    except (OSError, AttributeError):   # no libc syscall (not Linux): no tiles
-        return False
-
 
 def config_bytes(shapes) -> bytes:
     """The 64-byte palette-1 configuration for `shapes`: (rows, bytes per row) of tiles 0, 1,
@@ -110,15 +85,18 @@ def zero(b, t: int):
     b.call(_fn(b, "llvm.x86.tilezero", [I8]), [_tile(t)])
 
 
+def _i64(x):
+    return ir.Constant(I64, x) if isinstance(x, int) else x
+
+
 def load(b, t: int, ptr, stride_bytes):
     """Tile t <- rows at ptr, ptr + stride, ... (stride: an i64 value or int, in bytes)."""
-    stride = ir.Constant(I64, stride_bytes) if isinstance(stride_bytes, int) else stride_bytes
-    b.call(_fn(b, "llvm.x86.tileloadd64", [I8, PTR, I64]), [_tile(t), ptr, stride])
+    b.call(_fn(b, "llvm.x86.tileloadd64", [I8, PTR, I64]), [_tile(t), ptr, _i64(stride_bytes)])
 
 
 def store(b, t: int, ptr, stride_bytes):
-    stride = ir.Constant(I64, stride_bytes) if isinstance(stride_bytes, int) else stride_bytes
-    b.call(_fn(b, "llvm.x86.tilestored64", [I8, PTR, I64]), [_tile(t), ptr, stride])
+    """Tile t -> rows at ptr, ptr + stride, ..."""
+    b.call(_fn(b, "llvm.x86.tilestored64", [I8, PTR, I64]), [_tile(t), ptr, _i64(stride_bytes)])
 
 
 def dot_bf16(b, c: int, a: int, bt: int):

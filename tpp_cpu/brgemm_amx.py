@@ -1,7 +1,8 @@
 """BRGEMM on AMX tiles: bf16 A times VNNI-paired bf16 B into f32 accumulator tiles.
 
-Where the target has AMX (tpp_cpu.amx) and the spec is bf16 A (row-major) with bf16 VNNI B
-(not transposed) and an even k, the whole of C runs on the tile unit (`eligible`).
+Where the target has AMX (tpp_cpu.amx) and the spec is bf16 A with bf16 VNNI B (B not
+transposed; a transposed A with an even k), the whole of C runs on the tile unit
+(`eligible`).
 
 Tiles: four f32 accumulators (tmm0-3) hold a block of 2 x 2 tiles of C; per k step two A
 tiles (tmm4-5, read with A's row stride) and two B tiles (tmm6-7, VNNI rows read with B's row

@@ -83,7 +83,8 @@ def generate(kind: str, target: Target, symbol: str) -> ir.Module:
     return module
 
 
-_AMX_DOTS = ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))   # (accumulator, A, B) tiles
+_AMX_DOTS = tuple((brgemm_amx.ACC[r][c], brgemm_amx.A_TILES[r], brgemm_amx.B_TILES[c])
+                  for r in (0, 1) for c in (0, 1))       # (accumulator, A, B) tiles
 
 
 def _amx_body(b, out, iterations):
@@ -99,10 +100,11 @@ def _amx_body(b, out, iterations):
     rows = b.alloca(irx.F32, size=brgemm_amx.TILE ** 2, name="tile0")
     rows.align = 64
     amx.load_config(b, brgemm_amx.Layout(16, 16, 1, brgemm_amx.K_STEP).shapes())
-    for t in range(4):
-        amx.zero(b, t)
-    for t, g in ((4, consts[0]), (5, consts[0]), (6, consts[1]), (7, consts[1])):
-        amx.load(b, t, g, 64)
+    for c, a, bt in _AMX_DOTS:
+        amx.zero(b, c)
+    for tiles, g in ((brgemm_amx.A_TILES, consts[0]), (brgemm_amx.B_TILES, consts[1])):
+        for t in tiles:
+            amx.load(b, t, g, 64)
     with irx.for_range(b, iterations):
         for _u in range(UNROLL):
             for c, a, bt in _AMX_DOTS:

@@ -105,10 +105,26 @@ def make_target(isa: str) -> Target:
 
 
 def _amx_usable(flags) -> bool:
-    """AMX where the CPU has tiles with bf16, the OS enabled them for this process, and
-    TPP_CPU_AMX does not turn them off (read once per process, as the ISA is)."""
-    from . import amx
-    return {"amxtile", "amxbf16"} <= flags and not amx.disabled_by_env() and amx.permitted()
+    """AMX where the CPU has tiles with bf16, TPP_CPU_AMX does not turn them off and Linux
+    enabled the tile data state for this process (read once per process, as the ISA is)."""
+    off = os.environ.get("TPP_CPU_AMX", "").strip().lower() in ("0", "off", "no", "false")
+    return {"amxtile", "amxbf16"} <= flags and not off and _tiles_permitted()
+
+
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158   # x86-64 Linux
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles_permitted() -> bool:
+    """Ask Linux (once per process) to enable the tile data state (tpp_cpu.amx); True when
+    it did. Without it a tile instruction kills the process."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                            ctypes.c_long(_XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):   # no libc syscall (not Linux): no tiles
+        return False
 
 
 _AVX512 = {"vector_registers": 32, "masked_lanes": True}
