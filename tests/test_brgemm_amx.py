@@ -280,3 +280,13 @@ def test_bf16_panels_are_wider_where_tiles_multiply():
     x = np.ones((5, 40), tpp.BF16.numpy)
     np.testing.assert_array_equal(ops.linear(x, ops.pack_nk(w)).astype(np.float32),
                                   np.full((5, 384), 40.0, np.float32))
+
+
+def test_choosing_the_target_imports_no_llvm():
+    """The tile permission and TPP_CPU_AMX are read when the target is chosen, which a
+    process that only loads cached kernels does without LLVM (a fresh process)."""
+    script = ("import sys\nfrom tpp_cpu import target\nt = target.current()\n"
+              "assert not [m for m in sys.modules if m.startswith('llvmlite')], t\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
