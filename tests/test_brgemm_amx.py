@@ -43,6 +43,13 @@ CASES = [
     Case(76, 77, 80, "stride", 2, 0, "vnni", BF + ("f32",), 3, ("row", None, False)),
     Case(64, 20, 14, "stride", 1, 1, "vnni", BF + ("bf16",), 0, (None, "relu", True)),
     Case(44, 9, 74, "offset", 2, 1, "vnni", BF + ("f32",), 1),
+    # the deferred epilogue: each block's rows drained during the next block's k steps
+    # (many blocks, 12 and 20 steps), lone row / column tiles pending after pairs, partial
+    # and overlapping tiles, a bitmask
+    Case(96, 160, 384, "stride", 2, 1, "vnni", BF + ("bf16",), 0, ("row", "gelu", False)),
+    Case(48, 48, 96, "offset", 1, 0, "vnni", BF + ("f32",), 0, ("row", "relu", True)),
+    Case(23, 70, 640, "stride", 1, 0, "vnni", BF + ("f16",), 0, (None, "gelu", False)),
+    Case(7, 50, 64, "address", 3, 1, "vnni", BF + ("bf16",), 2, ("row", None, False)),
     # odd k: a tail step from zero-filled copies (B's padding half holds NaN here)
     Case(64, 64, 7, "stride", 3, 1, "vnni", BF + ("f32",)),
     Case(64, 64, 49, "stride", 2, 0, "vnni", BF + ("bf16",), 0, ("row", "relu", False)),
