@@ -33,6 +33,10 @@ TINY = 2.0 ** -126          # smallest normal float32
 SUB_TOL = 4 * 2.0 ** -149   # allowed absolute error where the true result is subnormal
 REL_TOL = 1e-6
 
+# ops whose subnormal results are -0.0 below a threshold (tpp.core.transcendentals)
+FLUSHED = {name: p.flush_below for name, p in mathlib.PRIMS.items()
+           if p.flush_below is not None}
+
 FUNCS = ["exp", "sigmoid", "tanh", "erf", "erfc", "gelu", "gelu_grad",
          "gelu_tanh", "gelu_tanh_grad"]
 
@@ -360,6 +364,14 @@ def errors(name, x, y):
         bad += list(x[inf_ref & (y64 != ref32)][:5])
         bad += list(x[~inf_ref & ~nan_ref & np.isinf(y)][:5])
         ok = ~nan_ref & ~inf_ref & np.isfinite(y64)
+        dead = FLUSHED.get(name)
+        if dead is not None:
+            # documented: -0.0 wherever the exact result is subnormal (x below the threshold)
+            flushed = x < F32(dead)
+            assert (np.abs(ref[flushed]) < TINY).all(), "threshold of " + name
+            y_bits = y[flushed].view(np.uint32)
+            bad += list(x[flushed][y_bits != np.uint32(0x80000000)][:5])
+            ok &= ~flushed
         normal = ok & (np.abs(ref) >= TINY)
         sub = ok & (np.abs(ref) < TINY)
         rel = np.abs(y64[normal] - ref32[normal]) / np.abs(ref32[normal])

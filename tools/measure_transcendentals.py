@@ -89,7 +89,8 @@ def kernel(name: str, w: int = 8):
 
 def errors(name: str, x: np.ndarray, y: np.ndarray):
     """(max relative error where the exact result is normal, its x, max absolute error in units
-    of 2^-149 where it is subnormal, count of wrong non-finite results), over the inputs in
+    of 2^-149 where it is subnormal, count of wrong non-finite results and of flushed results
+    other than -0.0), over the inputs in
     the prim's domain (NaN included)."""
     lo, hi = mathlib.PRIMS[name].domain
     keep = ~((x < lo) | (x > hi))
@@ -101,6 +102,11 @@ def errors(name: str, x: np.ndarray, y: np.ndarray):
         bad = int(((np.isnan(want) != np.isnan(got)) |
                    (np.isinf(want) & (got != want))).sum())
         err = np.abs(got - want)
+        flush = mathlib.PRIMS[name].flush_below
+        if flush is not None:           # documented -0.0 there: anything else is wrong
+            dead = x < np.float32(flush)
+            bad += int((dead & (y.view(np.uint32) != np.uint32(0x80000000))).sum())
+            finite &= ~dead
         normal = finite & (np.abs(want) >= TINY)
         rel = np.where(normal, err / np.where(normal, np.abs(want), 1.0), 0.0)
         sub = finite & ~normal

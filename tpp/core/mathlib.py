@@ -78,7 +78,8 @@ def gelu_tanh_grad_exact(x):
 
 
 # The measured max relative error of each expansion where the true result is a normal f32
-# (where it is subnormal, the absolute error is <= 4 * 2^-149), rounded up: the larger of
+# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that gelu and gelu_grad
+# give -0.0 below their `flush_below`: see tpp.core.transcendentals), rounded up: the larger of
 # tools/measure_transcendentals.py (4e6 random bit patterns and grid points; log: every
 # positive f32; exp_nonpos: every f32 in [-104, 44]) and tests/test_vecmath.py's sweeps
 # (gelu / gelu_grad: every f32 with |x| < 15.5), over each prim's `domain` (exp_nonpos:
@@ -101,13 +102,16 @@ class Prim:
     note: str = ""
     expand: Callable | None = None   # (args: Nodes) -> Node (tpp.core.transcendentals)
     domain: tuple = (-math.inf, math.inf)   # the inputs the expansion is defined (bound) on
+    # x below this (where |exact| < 2^-126) gives -0.0 instead of a subnormal (None: never)
+    flush_below: float | None = None
 
 
 PRIMS: dict = {}
 
 
-def _prim(name, exact, bound, note="", domain=(-math.inf, math.inf)):
-    PRIMS[name] = Prim(name, 1, _quiet(exact), bound, note, getattr(_T, name), domain)
+def _prim(name, exact, bound, note="", domain=(-math.inf, math.inf), flush_below=None):
+    PRIMS[name] = Prim(name, 1, _quiet(exact), bound, note, getattr(_T, name), domain,
+                       flush_below)
 
 
 _prim("exp", np.exp, BOUNDS["exp"])
@@ -120,9 +124,11 @@ _prim("sigmoid", sigmoid_exact, BOUNDS["sigmoid"])
 _prim("tanh", np.tanh, BOUNDS["tanh"])
 _prim("erf", erf_exact, BOUNDS["erf"])
 _prim("erfc", erfc_exact, BOUNDS["erfc"])
-_prim("gelu", gelu_exact, BOUNDS["gelu"], "relative also next to x = 0 (gelu(x) ~ x/2)")
+_prim("gelu", gelu_exact, BOUNDS["gelu"], "relative also next to x = 0 (gelu(x) ~ x/2); "
+      "-0.0 below -13.1462 (subnormal there)", flush_below=_T.GELU_DEAD)
 _prim("gelu_grad", gelu_grad_exact, BOUNDS["gelu_grad"],
-      "relative also next to its zero at x = -0.7518")
+      "relative also next to its zero at x = -0.7518; -0.0 below -13.3419 (subnormal there)",
+      flush_below=_T.GELU_GRAD_DEAD)
 _prim("gelu_tanh", gelu_tanh_exact, BOUNDS["gelu_tanh"])
 _prim("gelu_tanh_grad", gelu_tanh_grad_exact, BOUNDS["gelu_tanh_grad"],
       "relative also next to its zero at x = -0.7525")
