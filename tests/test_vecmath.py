@@ -366,11 +366,12 @@ def errors(name, x, y):
         ok = ~nan_ref & ~inf_ref & np.isfinite(y64)
         dead = FLUSHED.get(name)
         if dead is not None:
-            # documented: -0.0 wherever the exact result is subnormal (x below the threshold)
+            # documented: a zero of the exact result's sign wherever that result is subnormal
             flushed = x < F32(dead)
             assert (np.abs(ref[flushed]) < TINY).all(), "threshold of " + name
-            y_bits = y[flushed].view(np.uint32)
-            bad += list(x[flushed][y_bits != np.uint32(0x80000000)][:5])
+            got, exact = y64[flushed], ref[flushed]     # (a 0 in double: either sign)
+            wrong = (got != 0) | ((exact != 0) & (np.signbit(got) != np.signbit(exact)))
+            bad += list(x[flushed][wrong][:5])
             ok &= ~flushed
         normal = ok & (np.abs(ref) >= TINY)
         sub = ok & (np.abs(ref) < TINY)

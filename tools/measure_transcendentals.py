@@ -90,7 +90,7 @@ def kernel(name: str, w: int = 8):
 def errors(name: str, x: np.ndarray, y: np.ndarray):
     """(max relative error where the exact result is normal, its x, max absolute error in units
     of 2^-149 where it is subnormal, count of wrong non-finite results and of flushed results
-    other than -0.0), over the inputs in
+    other than a zero of the exact result's sign), over the inputs in
     the prim's domain (NaN included)."""
     lo, hi = mathlib.PRIMS[name].domain
     keep = ~((x < lo) | (x > hi))
@@ -103,9 +103,10 @@ def errors(name: str, x: np.ndarray, y: np.ndarray):
                    (np.isinf(want) & (got != want))).sum())
         err = np.abs(got - want)
         flush = mathlib.PRIMS[name].flush_below
-        if flush is not None:           # documented -0.0 there: anything else is wrong
+        if flush is not None:           # a zero of the exact sign there: anything else is wrong
             dead = x < np.float32(flush)
-            bad += int((dead & (y.view(np.uint32) != np.uint32(0x80000000))).sum())
+            sign = (want != 0) & (np.signbit(got) != np.signbit(want))   # want 0: either
+            bad += int((dead & ((got != 0) | sign)).sum())
             finite &= ~dead
         normal = finite & (np.abs(want) >= TINY)
         rel = np.where(normal, err / np.where(normal, np.abs(want), 1.0), 0.0)

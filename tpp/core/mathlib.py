@@ -78,12 +78,13 @@ def gelu_tanh_grad_exact(x):
 
 
 # The measured max relative error of each expansion where the true result is a normal f32
-# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that gelu and gelu_grad
-# give -0.0 below their `flush_below`: see tpp.core.transcendentals), rounded up: the larger of
+# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that exp_nonpos, gelu and
+# gelu_grad give a zero below their `flush_below`: see tpp.core.transcendentals), rounded
+# up: the larger of
 # tools/measure_transcendentals.py (4e6 random bit patterns and grid points; log: every
 # positive f32; exp_nonpos: every f32 in [-104, 44]) and tests/test_vecmath.py's sweeps
 # (gelu / gelu_grad: every f32 with |x| < 15.5), over each prim's `domain` (exp_nonpos:
-# x <= 44). Measured: exp 2.4e-7, exp_nonpos 3.9e-7 (subnormal results within 2.9 * 2^-149),
+# x <= 44). Measured: exp 2.4e-7, exp_nonpos 3.9e-7,
 # expm1 3.8e-7, log 8.0e-8, sigmoid 2.3e-7, tanh 2.4e-7, erf 3.0e-7, erfc 4.8e-7, gelu 5.2e-7,
 # gelu_grad 5.3e-7, gelu_tanh 2.4e-7, gelu_tanh_grad 4.4e-7.
 BOUNDS = {
@@ -102,7 +103,8 @@ class Prim:
     note: str = ""
     expand: Callable | None = None   # (args: Nodes) -> Node (tpp.core.transcendentals)
     domain: tuple = (-math.inf, math.inf)   # the inputs the expansion is defined (bound) on
-    # x below this (where |exact| < 2^-126) gives -0.0 instead of a subnormal (None: never)
+    # x below this (where |exact| < 2^-126) gives a zero of the exact result's sign instead
+    # of a subnormal (None: never)
     flush_below: float | None = None
 
 
@@ -116,8 +118,9 @@ def _prim(name, exact, bound, note="", domain=(-math.inf, math.inf), flush_below
 
 _prim("exp", np.exp, BOUNDS["exp"])
 _prim("exp_nonpos", np.exp, BOUNDS["exp_nonpos"],
-      "e^x for x <= 0 (softmax, attention); accurate up to x = 44, unspecified above",
-      domain=(-math.inf, _T.EXP_NONPOS_MAX))
+      "e^x for x <= 0 (softmax, attention); accurate up to x = 44, unspecified above; "
+      "0 below -87.3365 (subnormal there)",
+      domain=(-math.inf, _T.EXP_NONPOS_MAX), flush_below=_T.EXP_NONPOS_DEAD)
 _prim("expm1", np.expm1, BOUNDS["expm1"])
 _prim("log", np.log, BOUNDS["log"])
 _prim("sigmoid", sigmoid_exact, BOUNDS["sigmoid"])

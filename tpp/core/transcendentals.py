@@ -33,14 +33,13 @@ Method
     square rounds once, so overflow gives +inf and underflow goes gracefully
     through the subnormals to 0.
   - exp_nonpos(x): e^x for x <= 0 (and accurate up to x = 44; larger x: unspecified), in
-    the fewest operations: xc = select(x < -104, -104, x) (the only clamp: -inf -> -104,
-    whose result rounds to 0; NaN kept), t = fma(xc, log2e, SH + 191), n = t - (SH + 191),
-    ONE Cody-Waite FMA r = fma(n, -ln2_f32, xc) (f32(ln2) is within 1.9e-9 of ln2, so the
-    reduction error is <= 150 * 1.9e-9 ~ 2.9e-7 relative), P(r) ~ e^r of degree 5 (5 FMAs,
-    P(0) = 1 exactly) with its coefficients pre-scaled by 2^-64 (exact), and one final
-    multiplication by 2^(n+64) = bits(t) << 23, which is also the only rounding into the
-    subnormal range (graceful underflow without an extra multiply). 12 IR operations, 11 x86
-    vector instructions (the clamp is one vmaxps there) to exp's 15.
+    the fewest operations: x below EXP_NONPOS_DEAD (-inf included), whose e^x would be
+    subnormal, is computed as e^0 and its result replaced by 0 (NaN kept);
+    t = fma(xc, log2e, SH + 191), n = t - (SH + 191), ONE Cody-Waite FMA
+    r = fma(n, -ln2_f32, xc) (f32(ln2) is within 1.9e-9 of ln2, so the reduction error is
+    <= 150 * 1.9e-9 ~ 2.9e-7 relative), P(r) ~ e^r of degree 5 (5 FMAs, P(0) = 1 exactly)
+    with its coefficients pre-scaled by 2^-64 (exact), and one final multiplication by
+    2^(n+64) = bits(t) << 23. 11 vector ops on AVX-512, 13 on AVX2 (x86 loop body).
   - the tail functions (sigmoid, erfc, ...) only need e^y for y <= 0;
     they keep E = e^y * 2^64 (always normal, one extra offset of 64 in the
     shifter) and fold the 2^-64 into the other factor, so the single final
@@ -118,7 +117,7 @@ Rules
   floating-point operation.
 
 Special values: exp(+inf)=inf, exp(-inf)=0, exp(x>88.7228)=inf; expm1(-inf)=-1;
-exp_nonpos(-inf)=0, exp_nonpos(+-0)=1, exp_nonpos(x < -103.98)=0;
+exp_nonpos(-inf)=0, exp_nonpos(+-0)=1, exp_nonpos(x < -87.3365)=0;
 log(0)=-inf, log(x<0)=nan, log(inf)=inf;
 tanh(+-inf)=+-1; sigmoid(+inf)=1, sigmoid(-inf)=0; erf(+-inf)=+-1,
 erfc(+inf)=0, erfc(-inf)=2; gelu(+inf)=inf, gelu(-inf)=-0.0;
@@ -277,6 +276,7 @@ def exp(x):
 
 
 EXP_NONPOS_MAX = 44.0   # exp_nonpos is e^x for x <= 44 (n + 64 <= 127); intended for x <= 0
+EXP_NONPOS_DEAD = -87.33654022216797   # the least f32 x with e^x >= 2^-126; below it, 0
 
 
 def exp_nonpos(x):
@@ -285,15 +285,16 @@ def exp_nonpos(x):
     Contract: x <= 0, -inf (-> exactly 0) or NaN (-> NaN); e^x is also accurate for
     0 < x <= 44 (EXP_NONPOS_MAX), so an argument that is <= 0 only up to rounding (a few
     ulps above 0) is harmless; for x > 44 the value is unspecified (it may be anything,
-    +-inf included). Results below 2^-126 go through the subnormals to 0 gracefully.
+    +-inf included). Results that would be subnormal (x < EXP_NONPOS_DEAD = -87.3365: e^x
+    below 2^-126) are 0: a sum of exponentials that includes e^0 = 1 cannot see them.
 
-    x below -104 (-inf: a masked score) is computed as e^0 and its result replaced by 0,
-    rather than clamped to -104 and multiplied down to 0: a multiply that underflows takes a
-    microcode assist on Intel cores (~100+ cycles), and a mask of -inf keys sent every vector
-    of a masked block through one (ops.attention with a key-padding mask, B32 H12 S128 D32
-    bf16, 2 threads, Sapphire Rapids: 8.8 -> 3.9 ms, f32 7.9 -> 4.1; unmasked 3.6-4.0).
-    Results that really are subnormal (x in [-104, -87.3]) still take the assist."""
-    dead = x < const(_EXP_LO)                       # -inf and every x whose e^x rounds to 0
+    Such x (and -inf: a masked score) is computed as e^0 and its result replaced by 0, rather
+    than clamped and multiplied down to a subnormal or 0: a multiply that underflows takes a
+    microcode assist on Intel cores (~100+ cycles) for the whole vector, and a mask of -inf
+    keys sent every vector of a masked block through one (ops.attention with a key-padding
+    mask, B32 H12 S128 D32 bf16, 2 threads, Sapphire Rapids: 8.8 -> 3.9 ms, f32 7.9 -> 4.1;
+    unmasked 3.6-4.0); so did softmax rows whose logits spread over more than 87."""
+    dead = x < const(EXP_NONPOS_DEAD)               # -inf and every subnormal result
     xc = select(dead, const(0.0), x)                # computed as e^0: no underflow (docstring)
     t = fma(xc, const(_LOG2E), const(_SH_BIAS64))   # SH + 127 + 64 + n
     n = t - const(_SH_BIAS64)
