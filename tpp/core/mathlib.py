@@ -78,8 +78,8 @@ def gelu_tanh_grad_exact(x):
 
 
 # The measured max relative error of each expansion where the true result is a normal f32
-# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that exp_nonpos, gelu and
-# gelu_grad give a zero below their `flush_below`: see tpp.core.transcendentals), rounded
+# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that exp_nonpos and the
+# gelus and their gradients give a zero below their `flush_below`: tpp.core.transcendentals), rounded
 # up: the larger of
 # tools/measure_transcendentals.py (4e6 random bit patterns and grid points; log: every
 # positive f32; exp_nonpos: every f32 in [-104, 44]) and tests/test_vecmath.py's sweeps
@@ -132,6 +132,8 @@ _prim("gelu", gelu_exact, BOUNDS["gelu"], "relative also next to x = 0 (gelu(x) 
 _prim("gelu_grad", gelu_grad_exact, BOUNDS["gelu_grad"],
       "relative also next to its zero at x = -0.7518; -0.0 below -13.3419 (subnormal there)",
       flush_below=_T.GELU_GRAD_DEAD)
-_prim("gelu_tanh", gelu_tanh_exact, BOUNDS["gelu_tanh"])
+_prim("gelu_tanh", gelu_tanh_exact, BOUNDS["gelu_tanh"],
+      "-0.0 below -10.1006 (subnormal there)", flush_below=_T.GELU_TANH_DEAD)
 _prim("gelu_tanh_grad", gelu_tanh_grad_exact, BOUNDS["gelu_tanh_grad"],
-      "relative also next to its zero at x = -0.7525")
+      "relative also next to its zero at x = -0.7525; -0.0 below -10.235 (subnormal there)",
+      flush_below=_T.GELU_TANH_GRAD_DEAD)
