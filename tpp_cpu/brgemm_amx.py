@@ -21,8 +21,8 @@ blocking). The accumulators stay in tiles across the whole batch and every k ste
     the last block's epilogue; tilerelease
 
 The deferred epilogue (Sapphire Rapids, one core, 64 x 192 x 384 bf16 C with bias and gelu,
-operands hot): 636-704 -> 781-853 GFLOP/s, k = 1536 1001 -> 1356 (gelu then costs ~1% over
-bias alone); ops.linear bf16 4096 x 384 -> 1536 with gelu (2 threads) 4.3-4.5 -> 3.2 ms.
+operands hot): 636-704 -> 781-853 GFLOP/s (bias alone: 1136-1260), k = 1536 1001 -> 1356
+(bias alone: 1318-1488); ops.linear bf16 4096 x 384 -> 1536 with gelu (2 threads) 4.3-4.5 -> 3.2 ms.
 
 Shapes (one configuration per kernel, `Layout`). A tile multiply takes the same time whatever
 its tiles' sizes (16 cycles on a Sapphire Rapids core, measured for K 2..32 and M 1..16), so
