@@ -25,7 +25,8 @@ shape runs without padding the input.
 
 Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows,
 bn = the weight's panel width (64), kc = K up to 8192, else 4096-element chunks; bf16 output
-keeps K whole (a bf16 C cannot carry partial sums). None of it depends on M. Problems under
+keeps K whole (a bf16 C cannot carry partial sums), except that K > 3072 runs the f32 nest in
+K chunks into an f32 buffer rounded to bf16 once (ops.matmul_longk). None of it depends on M. Problems under
 4 MFLOP whose weight is under 1 MiB run on one thread (decided per call, `serial`): the team's
 wake-up would cost more than it saves; a larger weight is streamed by every core even at M = 1.
 A winner stored by `ops.tune` for the problem on this CPU replaces the heuristic (its bm, kc,
@@ -55,6 +56,7 @@ from tpp.core.errors import ArgumentError
 from tpp.runtime.lru import LRU, also_clear
 
 from . import _host, autotune
+from . import matmul_longk as longk
 from .blocked import row_blocks, split
 from .packing import PackedWeight, pack_kn, pack_nk
 
@@ -562,12 +564,17 @@ def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> 
 
     n, bn = packed.n, packed.bn     # (the plans outlive the weight: not kept by make)
 
-    def make(bl):
-        bl = _check_blocking(bl, k, dt_out, dt == _dt.BF16)
-        nest = gemm_nest(n, k, bn, dt, dt_out, has_bias, activation, bl)
-        return _Plan(nest, dt_out, n, k, k * n * dt.itemsize, single=bl.kc >= k and n <= bn,
+    def make(bl, out=dt_out):
+        bl = _check_blocking(bl, k, out, dt == _dt.BF16)
+        nest = gemm_nest(n, k, bn, dt, out, has_bias, activation, bl)
+        return _Plan(nest, out, n, k, k * n * dt.itemsize, single=bl.kc >= k and n <= bn,
                      serial_always=bl.threads == 1)
-    plan = make(bl)
+    if longk.wanted(k, dt_out, blocking is not None or tuned_rows > 0):
+        # f32 sums over K chunks, rounded to bf16 once (ops.matmul_longk)
+        chunked = Blocking(bl.bm, longk.KC, bl.order, bl.threads)
+        plan = longk.LongKPlan(make(chunked, _dt.F32), n, k, _checked_out)
+    else:
+        plan = make(bl)
     if tuned_rows > 1:      # fewer rows take the heuristic's plan (built on first use)
         plan.tuned_rows = tuned_rows
         plan.fewer_rows = lambda: make(choose_blocking(k, dt_out))
