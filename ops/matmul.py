@@ -73,6 +73,13 @@ _KC = 4096
 
 
 _ORDERS = ("CB", "BC")
+# bf16 on a matrix unit with a weight of at most this many bytes: the row band outer ("BC"),
+# each block of x rows then multiplied by every panel while in L2, the weight staying in L2
+# across the row blocks. ops.linear bf16, x 4096 rows, 2 threads, Sapphire Rapids (AMX),
+# GFLOP/s CB / BC: K 384 N 1152 1751 / 1989, 384 x 384 1697 / 1836, 1536 x 384 (1.2 MB)
+# 2383 / 2429, 384 x 1536 gelu level; larger weights lose (768 x 2304: 2299 / 1636, 768 x
+# 3072 gelu 1849 / 1485), and f32 gained nothing (within -6..0%).
+_TILE_ROWS_OUTER_BYTES = 1 << 20
 # The rows past the last whole block of bm run as kernels of 8, 4, 2 and 1 rows (at most one of
 # each), not as single rows after the 8s: each kernel streams the weight's panel once for its
 # rows (from L2), so a single-row kernel ran at a third of a block's rate per row. 384 x 1536
@@ -502,7 +509,11 @@ def _default_blocking(packed, k, dt, dt_out, has_bias, activation):
     found = autotune.lookup_with_rows(packed.n, k, dt, dt_out, has_bias, activation)
     if found is not None and found[0].bn == packed.bn:
         return found[0].blocking(), found[1]
-    return choose_blocking(k, dt_out), 0
+    bl = choose_blocking(k, dt_out)
+    if (dt == _dt.BF16 and k * packed.n * dt.itemsize <= _TILE_ROWS_OUTER_BYTES
+            and not _host.on_device(packed.data) and tpp.has_matrix_unit(dt)):
+        bl = Blocking(bl.bm, bl.kc, "BC")
+    return bl, 0
 
 
 def forget_tuned() -> None:
