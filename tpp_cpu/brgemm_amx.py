@@ -15,9 +15,10 @@ blocking). The accumulators stay in tiles across the whole batch and every k ste
       for i in range(count):  for each k step:
         load A0, B0; acc00 += A0 B0; load B1; acc01 += A0 B1; load A1; acc10 += ...; acc11
       f32 C without an epilogue: tiles stored straight into C; otherwise the tiles go to one
-      of two stack slots and the vector epilogue (bias, activation, bitmask, rounding to
-      dtype_c) of their rows runs a few rows after each k step of the NEXT block (`Pending`),
-      on the vector units while the tile unit multiplies; the rest before that block stores
+      of two stack slots, and their rows' vector epilogue (bias, activation, bitmask,
+      rounding to dtype_c) runs a few rows after each k step of the NEXT block (`Pending`),
+      on the vector units while the tile unit multiplies (what is left of it runs before
+      that block's own tiles are stored)
     the last block's epilogue; tilerelease
 
 The deferred epilogue (Sapphire Rapids, one core, 64 x 192 x 384 bf16 C with bias and gelu,
@@ -382,7 +383,6 @@ class Pending:
 
     def hand_over(self, rows, cols):
         """The block just stored (in the free slot) becomes the pending one."""
-        b = self.t.b
         self._set(self.state, 3, self.free_slot())
         for r, row in enumerate(rows):
             self._set(self.starts, r, row)
