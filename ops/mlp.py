@@ -168,7 +168,7 @@ def mlp_backward(dy, saved: Saved, *, need_x=True, need_w=True, need_b=True, **u
     if need_x:
         dx = _host.reshape(matmul(dz, pack_kn(w)), (*saved.lead, k))
     if need_w:
-        dw = (weight_grad_packed if dt == _dt.BF16 or PACKED_F32_DW else weight_grad)(dz, x)
+        dw = (weight_grad_packed if dt == _dt.BF16 or packed_f32_dw() else weight_grad)(dz, x)
     if need_b and saved.bias:
         sums = blocked.column_sums(dz, _host.empty((n,), _dt.F32, dz))
         if dt == _dt.F32:
@@ -241,11 +241,22 @@ def weight_grad(dz, x):
 
 # dw by a GEMM over packed blocks (weight_grad_packed) for bf16: VNNI dot products need pairs
 # along M, which the rank-1 nest widens to f32 FMAs instead (4096x1024x4096 on 2 cores: ~92
-# vs ~193 ms; MiniLM's and BERT-base's shapes 1.4-1.8x). f32 takes the rank-1 nest unless
-# PACKED_F32_DW: on one thread it is 10-22% faster than packing at MiniLM's and BERT-base's
-# shapes and 4096x1024x4096 (thread CPU time, Zen 4); on two threads 3-29% faster at MiniLM's
+# vs ~193 ms; MiniLM's and BERT-base's shapes 1.4-1.8x). f32 takes the rank-1 nest on AMD
+# cores: on one Zen 4 thread it is 10-22% faster than packing at MiniLM's and BERT-base's
+# shapes and 4096x1024x4096 (thread CPU time); on two threads 3-29% faster at MiniLM's
 # (4096 x 384 x 384 .. 4096 x 1536 x 384), equal at 4096x1024x4096 (a whole MLP step too).
-PACKED_F32_DW = False
+# On Sapphire Rapids (two 512-bit FMA pipes) packing wins instead (2 threads, ms, rank-1 /
+# packed / torch): 4096x4096x1024 184 / 135 / 116, 4096x3072x768 96 / 77 / 67, 4096x768x3072
+# 100 / 76 / 64, 4096x1152x384 16.2 / 15.1 / 13.2, 4096x384x384 4.7 / 5.0 / 4.2; the AMX
+# hosts (tpp.has_matrix_unit) stand for that core. PACKED_F32_DW True / False forces either.
+PACKED_F32_DW = None
+
+
+def packed_f32_dw() -> bool:
+    """Whether f32 weight gradients take weight_grad_packed (see PACKED_F32_DW)."""
+    if PACKED_F32_DW is not None:
+        return bool(PACKED_F32_DW)
+    return tpp.has_matrix_unit(_dt.BF16)
 _TB = 64      # rows of M per transposed block of dz (the GEMM's depth per batch entry)
 _STEP = 1024  # rows of M per sequential step of the dw nest
 

@@ -77,10 +77,12 @@ def test_mlp_backward_dz_scratch_is_reused_and_results_are_fresh():
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_mlp_backward_routes_dw_by_dtype(dtype, monkeypatch):
     """bf16 weight gradients take the packed GEMM (VNNI pairs), f32 the rank-1 nest (unless
-    PACKED_F32_DW), for numpy and torch alike."""
+    PACKED_F32_DW, whose default follows the host: forced off here), for numpy and torch
+    alike."""
     torch = pytest.importorskip("torch")
     import ops
     mlp = importlib.import_module("ops.mlp")
+    monkeypatch.setattr(mlp, "PACKED_F32_DW", False)
     used = []
     real = mlp._packed_grad_nest
     monkeypatch.setattr(mlp, "_packed_grad_nest", lambda *a: used.append(a) or real(*a))
@@ -96,3 +98,15 @@ def test_mlp_backward_routes_dw_by_dtype(dtype, monkeypatch):
     want = (dy.float() * (z > 0)).t() @ x.float()
     torch.testing.assert_close(dw.float(), want, rtol=1e-2 if dtype == "bf16" else 1e-5,
                                atol=1e-1 if dtype == "bf16" else 1e-4)
+
+
+def test_f32_weight_gradient_route_follows_the_host(monkeypatch):
+    """PACKED_F32_DW None: packed where the host has a matrix unit (Sapphire Rapids class),
+    the rank-1 nest elsewhere; True / False force either."""
+    import tpp
+    mlp = importlib.import_module("ops.mlp")
+    monkeypatch.setattr(mlp, "PACKED_F32_DW", None)
+    assert mlp.packed_f32_dw() == tpp.has_matrix_unit("bf16")
+    for forced in (True, False):
+        monkeypatch.setattr(mlp, "PACKED_F32_DW", forced)
+        assert mlp.packed_f32_dw() is forced
