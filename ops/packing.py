@@ -53,24 +53,31 @@ class PackedWeight:
         return f"<PackedWeight K={self.k} N={self.n} bn={self.bn} {self.dtype}>"
 
 
-TILE_PANELS = (256, 192, 128)    # panel widths for bf16 weights on a matrix unit
+TILE_PANELS = (384, 256, 192, 128)    # panel widths for bf16 weights on a matrix unit
+TILE_PANEL_BYTES = 1280 << 10          # the most bytes of one such panel (K x bn bf16)
 
 
-def default_bn(n: int, tiles: bool = False) -> int:
+def default_bn(n: int, tiles: bool = False, k: int | None = None) -> int:
     """Columns per panel: 64 (four AVX-512 or eight AVX2 vectors), or all of a narrower N.
     tiles (bf16 weights multiplied on a matrix unit, tpp.has_matrix_unit): the widest of
-    TILE_PANELS that cuts N into equal panels, else 64. A call's C is then rows x bn: its
-    tile configuration and A's rows (in L1 across the panel's 2x2 tile blocks) serve more
+    TILE_PANELS that cuts N into equal panels and (k given) whose K x bn panel fits in
+    TILE_PANEL_BYTES, else the narrowest that cuts N, else 64. A call's C is then rows x bn:
+    its tile configuration and A's rows (in L1 across the panel's 2x2 tile blocks) serve more
     columns; equal panels keep the threads' static split even (384 as 256 + 128 ran one
-    thread on twice the other's work). ops.linear bf16, x (4096, K), 2 threads, Sapphire
-    Rapids, GFLOP/s at bn 64 / the chosen width: K 384 N 1536 1341 / 1813 (256), K 384
-    N 1152 1383 / 1727 (192), K 1536 N 384 1910 / 2198 (192)."""
+    thread on twice the other's work); a panel much over 1 MB no longer stays in the L2
+    cache while the row blocks use it. ops.linear bf16, x (4096, K), 2 threads, Sapphire
+    Rapids, GFLOP/s at bn 64 / 192 / 256 / 384: K 384 N 1536 1341 / - / 1813 / ~1830, K 384
+    N 1152 1383 / 1727-1886 / - / 2064-2166; ms at bn 192 / 256 / 384: K 768 N 2304 8.5 /
+    8.5 / 8.0, K 3072 N 768 9.3 / 12.2 / - (128: 9.8), K 1536 N 384 2.6 / - / 2.5."""
     if n < 64:
         return n
     if tiles:
-        for bn in TILE_PANELS:
-            if n % bn == 0:
+        fits = [bn for bn in TILE_PANELS if n % bn == 0]
+        for bn in fits:
+            if k is None or k * bn * 2 <= TILE_PANEL_BYTES:
                 return bn
+        if fits:
+            return fits[-1]
     return 64
 
 
@@ -114,7 +121,7 @@ def _pack(src, k, n, bn, dt, source) -> PackedWeight:
         raise ArgumentError(f"weights must be f32 or bf16, got {dt}")
     if bn is None:      # a width ops.tune found faster for this weight shape, else the default
         tiles = dt == _dt.BF16 and not _host.on_device(src) and tpp.has_matrix_unit(dt)
-        bn = autotune.lookup_bn(n, k, dt) or default_bn(n, tiles)
+        bn = autotune.lookup_bn(n, k, dt) or default_bn(n, tiles, k)
     bn = _check_bn(bn, n)
     blocks = -(-n // bn)
     shape = (blocks, (k + 1) // 2, 2 * bn) if dt == _dt.BF16 else (blocks, k, bn)

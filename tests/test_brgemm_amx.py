@@ -273,16 +273,21 @@ def test_odd_k_never_reads_the_padding_half(m, n, k, count):
 
 
 def test_bf16_panels_are_wider_where_tiles_multiply():
-    """default_bn: 64 (all of a narrower N) on vector code; with tiles the widest of 256,
-    192, 128 that cuts N into equal panels, else 64. pack_* use it for bf16 host weights
-    exactly where tpp.has_matrix_unit('bf16'); f32 keeps 64."""
+    """default_bn: 64 (all of a narrower N) on vector code; with tiles the widest of 384,
+    256, 192, 128 that cuts N into equal panels and whose K x bn bf16 panel fits in
+    TILE_PANEL_BYTES (else the narrowest that cuts N), else 64. pack_* use it for bf16 host
+    weights exactly where tpp.has_matrix_unit('bf16'); f32 keeps 64."""
     from ops.packing import default_bn
     assert [default_bn(n) for n in (1, 63, 64, 384, 1536)] == [1, 63, 64, 64, 64]
-    assert [default_bn(n, True) for n in (48, 64, 70, 128, 384, 1152, 1536, 640)] == \
-        [48, 64, 64, 128, 192, 192, 256, 128]
+    assert [default_bn(n, True) for n in (48, 64, 70, 128, 384, 1152, 1536, 640, 2048)] == \
+        [48, 64, 64, 128, 384, 384, 384, 128, 256]
+    # the panel's bytes: K 3072 takes 192 of N 768 (256 and 384 exceed them), K 8192 the
+    # narrowest that cuts N when none fits
+    assert [default_bn(768, True, k) for k in (384, 768, 1536, 3072)] == [384, 384, 384, 192]
+    assert default_bn(1024, True, 8192) == 128 and default_bn(1152, True, 1536) == 384
     tiles = tpp.has_matrix_unit("bf16")
     w = np.ones((384, 40), tpp.BF16.numpy)
-    assert ops.pack_nk(w).bn == (192 if tiles else 64)
+    assert ops.pack_nk(w).bn == (384 if tiles else 64)
     assert ops.pack_nk(w.astype(np.float32)).bn == 64
     x = np.ones((5, 40), tpp.BF16.numpy)
     np.testing.assert_array_equal(ops.linear(x, ops.pack_nk(w)).astype(np.float32),
