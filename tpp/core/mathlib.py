@@ -78,8 +78,8 @@ def gelu_tanh_grad_exact(x):
 
 
 # The measured max relative error of each expansion where the true result is a normal f32
-# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that exp_nonpos and the
-# gelus and their gradients give a zero below their `flush_below`: tpp.core.transcendentals), rounded
+# (where it is subnormal, the absolute error is <= 4 * 2^-149, except that exp_nonpos, sigmoid,
+# the gelus and their gradients give a zero below their `flush_below`: tpp.core.transcendentals), rounded
 # up: the larger of
 # tools/measure_transcendentals.py (4e6 random bit patterns and grid points; log: every
 # positive f32; exp_nonpos: every f32 in [-104, 44]) and tests/test_vecmath.py's sweeps
@@ -123,7 +123,8 @@ _prim("exp_nonpos", np.exp, BOUNDS["exp_nonpos"],
       domain=(-math.inf, _T.EXP_NONPOS_MAX), flush_below=_T.EXP_NONPOS_DEAD)
 _prim("expm1", np.expm1, BOUNDS["expm1"])
 _prim("log", np.log, BOUNDS["log"])
-_prim("sigmoid", sigmoid_exact, BOUNDS["sigmoid"])
+_prim("sigmoid", sigmoid_exact, BOUNDS["sigmoid"], "0 below -87.3365 (subnormal there)",
+      flush_below=_T.EXP_NONPOS_DEAD)
 _prim("tanh", np.tanh, BOUNDS["tanh"])
 _prim("erf", erf_exact, BOUNDS["erf"])
 _prim("erfc", erfc_exact, BOUNDS["erfc"])

@@ -53,7 +53,7 @@ Method
   next to its zero at x = 1. The exponent e becomes a float through the shifter
   (fbits(0x4B400000 + e) - 1.5*2^23). Specials by one final select.
 * sigmoid: e = exp(-|x|); 1/(1+e) for x >= 0, e/(1+e) for x < 0 (never
-  overflows; relative accurate down to x ~ -87.3 and graceful below).
+  overflows; relative accurate down to x ~ -87.3, 0 below: see sigmoid).
 * tanh: tanh|x| = em1 / (em1 + 2), em1 = expm1(2|x|) = 2^n * pm1 + (2^n - 1)
   with pm1 = e^r - 1 from the same polynomial without its constant term, so it
   is relatively accurate near 0 without a second branch; sign restored by or.
@@ -363,12 +363,15 @@ def log(x):
 
 # ---------------------------------------------------------------- sigmoid, tanh
 def sigmoid(x):
-    """1/(1+e^-x), computed from e^-|x| (never overflows)."""
+    """1/(1+e^-x), computed from e^-|x| (never overflows). e^-|x| is taken at |x| <= 87.34
+    at most (EXP_NONPOS_DEAD), so it is never rounded into the subnormals (a microcode
+    assist for the whole vector on Intel cores; 1 + e cannot see the difference), and x
+    below -87.34, whose sigmoid would be subnormal, gives 0."""
     na = -X.fabs(x)
-    E = _exp_nonpos_scaled(_maxp(na, _EXP_LO))
+    E = _exp_nonpos_scaled(_maxp(na, EXP_NONPOS_DEAD))
     e = E * const(_TWO_M64)
     num = select(_signbit(x), e, const(1.0))
-    return num / (e + 1.0)
+    return select(x < EXP_NONPOS_DEAD, const(0.0), num / (e + 1.0))
 
 
 def tanh(x):
