@@ -201,6 +201,7 @@ _TINY = 2.0 ** -126                     # the smallest normal f32
 _EXP_HI = 89.0        # e^89 overflows; (q 2^64)^2 stays finite before rounding
 _EXP_LO = -104.0      # e^-104 < 2^-150: rounds to 0
 _ERFC_ZMAX = 10.3     # erfc(10.3) < 2^-150
+_ERF_AMAX = 5.0       # erfc(5) ~ 1.5e-12 < 2^-25: 1 - erfc rounds to 1 from |x| ~ 3.9 on
 _GELU_AMAX = 14.6     # gelu / gelu_grad underflow below -14.6, Phi(-14.6) < 2^-150
 # below these the exact gelu / gelu' is under 2^-126 in magnitude (and above them at least
 # that; float32 thresholds, found by bisection on the double-precision formulas)
@@ -406,9 +407,11 @@ def erfc(x):
 
 
 def erf(x):
-    """erf x: x S(x^2) for |x| < 0.6, else sign(x) (1 - erfc|x|)."""
+    """erf x: x S(x^2) for |x| < 0.6, else sign(x) (1 - erfc|x|). |x| is clamped at
+    _ERF_AMAX, past which 1 - erfc|x| rounds to 1 anyway: erfc|x| itself would be rounded
+    into the subnormals from |x| ~ 9.2 on (a microcode assist on Intel cores)."""
     ax = X.fabs(x)
-    a = _minp(ax, _ERFC_ZMAX)
+    a = _minp(ax, _ERF_AMAX)
     big = _with_sign_of(const(1.0) - _erfc_pos(a), x)
     small = x * _horner(x * x, ERF_S)
     return select(ax < ERF_THR, small, big)
