@@ -36,7 +36,8 @@ DT = ("f32", "bf16", "f16")
 SPECIAL = (1, 16, 17, 64, 65)
 EPILOGUES = [(None, None, False), ("row", None, False), (None, "relu", False),
              (None, "relu", True), ("row", "relu", True), (None, "gelu", False),
-             ("row", "gelu", False), (None, "sigmoid", False), ("row", "tanh", False)]
+             ("row", "gelu", False), (None, "sigmoid", False), ("row", "tanh", False),
+             ("col", None, False), ("col", "relu", True), ("col", "gelu", False)]
 LAYOUTS = ("plain", "ta", "tb", "ta.tb", "vnni", "ta.vnni")
 U = 2.0 ** -24
 OUT_ULP = {"f32": 2.0 ** -23, "bf16": 2.0 ** -7, "f16": 2.0 ** -10}
@@ -83,7 +84,8 @@ class Case:
 
     def __str__(self):
         bias, act, bitmask = self.epilogue
-        epi = "+".join([x for x in (bias and "bias", act) if x] + ["mask"] * bitmask) or "none"
+        epi = "+".join([x for x in (bias and f"bias-{bias}", act) if x] + ["mask"] * bitmask) \
+            or "none"
         return (f"{self.m}x{self.n}x{self.k}-{self.batch}{self.count}"
                 f"{f'+{self.spare}' if self.spare else ''}-beta{self.beta}-{self.layout}-"
                 f"{'.'.join(self.dtypes)}-ld{f'+{self.pad}' if self.pad else '='}-{epi}")
@@ -227,7 +229,7 @@ def _run_case(case):
     if spec.batch == "offset":
         kw.update(offsets_a=off_a, offsets_b=off_b)
     if spec.bias:
-        kw["bias"] = _data(rng, spec.n, spec.dtype_c, 0.5)
+        kw["bias"] = _data(rng, spec.m if spec.bias == "col" else spec.n, spec.dtype_c, 0.5)
         extra.append(kw["bias"])
     if spec.bitmask:
         nb = (spec.n + 7) // 8
@@ -462,7 +464,7 @@ SPEC_ERRORS = {
     "beta=2": dict(beta=2),
     "lda < k": dict(lda=3),
     "ldb < 2n with vnni": dict(dtype_a="bf16", vnni_b=True, ldb=9),
-    "bias='col'": dict(bias="col"),
+    "bias='both'": dict(bias="both"),
     "dtype_comp bf16": dict(dtype_comp="bf16"),
 }
 

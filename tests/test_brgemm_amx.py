@@ -50,6 +50,8 @@ CASES = [
     Case(48, 48, 96, "offset", 1, 0, "vnni", BF + ("f32",), 0, ("row", "relu", True)),
     Case(23, 70, 640, "stride", 1, 0, "vnni", BF + ("f16",), 0, (None, "gelu", False)),
     Case(7, 50, 64, "address", 3, 1, "vnni", BF + ("bf16",), 2, ("row", None, False)),
+    Case(70, 90, 96, "stride", 2, 0, "vnni", BF + ("bf16",), 0, ("col", "gelu", False)),
+    Case(40, 48, 64, "offset", 1, 1, "vnni", BF + ("f32",), 0, ("col", "relu", True)),
     # odd k: a tail step from zero-filled copies (B's padding half holds NaN here)
     Case(64, 64, 7, "stride", 3, 1, "vnni", BF + ("f32",)),
     Case(64, 64, 49, "stride", 2, 0, "vnni", BF + ("bf16",), 0, ("row", "relu", False)),

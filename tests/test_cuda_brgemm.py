@@ -238,7 +238,8 @@ def _emulate(spec, count=2, misalign=(0, 0), tile=None):
     c_in = _values((m, n), dc)
     cbuf = np.full((m + 1, spec.ldc), 7.0, np.float32).astype(dc.numpy)
     cbuf[:m, :n] = c_in if spec.beta else np.nan
-    bias = _values((n,), dc)
+    bias = _values((m,) if spec.bias == "col" else (n,), dc)
+    col_bias = bias.reshape(m, 1) if spec.bias == "col" else bias
     mb = (n + 7) // 8
     mask = np.full((m + 1, mb), 0xA5, np.uint8)
     a_arg, arg_a = A.arguments(spec.batch)
@@ -260,7 +261,7 @@ def _emulate(spec, count=2, misalign=(0, 0), tile=None):
     if spec.beta:
         x, mag = x + c_in.astype(np.float64), mag + np.abs(c_in.astype(np.float64))
     if spec.bias:
-        x, mag = x + bias.astype(np.float64), mag + np.abs(bias.astype(np.float64))
+        x, mag = x + col_bias.astype(np.float64), mag + np.abs(col_bias.astype(np.float64))
     tol_x = (spec.k * count + 4) * 2.0 ** -23 * mag + 1e-30
     got = cbuf[:m, :n].astype(np.float64)
     tol_c = 1.2 * tol_x + (1.5e-5 + _OUT_ULP[dc.name]) * np.abs(want_c.astype(np.float64)) + 1e-30
@@ -316,6 +317,10 @@ EMULATED = [
     mk(33, 35, 16, dtype_a="f16", activation="sigmoid", dtype_c="bf16"),
     mk(33, 35, 16, dtype_a="bf16", activation="tanh", bias="row"),
     mk(33, 35, 16, activation="relu", bitmask=True, ldc=40, batch="address"),
+    # a "col" bias (one value per row of C): SIMT and tensor-core epilogues
+    mk(37, 45, 40, dtype_a="bf16", batch="offset", beta=1, bias="col", dtype_c="bf16"),
+    mk(20, 17, 9, trans_a=True, activation="gelu", bias="col", dtype_c="f16"),
+    mk(33, 35, 16, dtype_a="bf16", activation="relu", bitmask=True, bias="col"),
 ]
 
 

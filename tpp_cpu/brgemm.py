@@ -452,7 +452,7 @@ class _Generator:
         spec, b, lanes = self.spec, self.b, self.lanes
         cols = [b.add(col0, i64(v * lanes)) for v in range(vectors)]
         bias = None
-        if spec.bias:
+        if spec.bias == "row":
             bias = [irx.load_f32(b, self.pbias, cols[v], spec.dtype_c, lanes, counts[v])
                     for v in range(vectors)]
         if not self.looped:
@@ -472,11 +472,20 @@ class _Generator:
                 at = b.add(b.mul(row, i64(spec.ldc)), cols[v])
                 self.finish(x, row, cols[v], bias, v, counts[v], at)
 
+    def col_bias(self, row, lanes):
+        """bias[row] (a "col" bias: one value per row of C) on `lanes` lanes, as f32."""
+        dt = self.spec.dtype_c
+        value = irx.to_f32(self.b, irx.load_scalar(self.b, self.pbias, row,
+                                                   irx.storage_type(dt)), dt)
+        return irx.splat(self.b, value, lanes)
+
     def finish(self, x, row, col, bias, v, count, c_offset):
         """One accumulator vector through bias, activation and bitmask into C."""
         spec, b = self.spec, self.b
         if bias is not None:
             x = b.fadd(x, bias[v])
+        elif spec.bias == "col":        # the row's value, on every lane
+            x = b.fadd(x, self.col_bias(row, x.type.count))
         if self.activation is not None:
             results = mapops.render(*self.activation, b, self.lanes, {"in": x})
             x = results[0]

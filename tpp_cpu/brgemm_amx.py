@@ -418,7 +418,7 @@ class Pending:
             col = self._get(self.starts, 2 + c)
             x = irx.load_vec(b, base, b.add(at, i64(c * TILE)), F32, TILE)
             bias = None
-            if spec.bias:
+            if spec.bias == "row":
                 bias = [irx.load_f32(b, gen.pbias, col, spec.dtype_c, TILE, count)] * 2
             gen.finish(x, row, col, bias, c, count, t.c_offset(row, col))
 

@@ -160,7 +160,7 @@ def _finish_fn(spec) -> str:
     if spec.beta:
         lines.append(f"  x += {load.format('c[at]')};")
     if spec.bias:
-        lines.append(f"  x += {load.format('bias[col]')};")
+        lines.append(f"  x += {load.format('bias[row]' if spec.bias == 'col' else 'bias[col]')};")
     values = ["x"]
     if spec.activation:
         definition = optable.definition(*optable.epilogue(spec.activation, spec.bitmask))

@@ -10,7 +10,9 @@ and C (m, n); the *stored* shape of each block depends on the flags:
   C   (m, n), written in place (beta=1 reads it first)
 
 lda, ldb and ldc are the row strides of the stored blocks, in elements (>= the stored row).
-bias is one row of n values (dtype_c) added to every row; activation is applied last, on the
+bias "row" is one row of n values (dtype_c) added to every row, bias "col" one column of m
+values added to every column (one value per row of C: per output channel where C's rows are
+channels, as in a 1x1 convolution on NCHW data); activation is applied last, on the
 f32 tile, then the tile is rounded (to nearest even) to dtype_c. bitmask=True also writes the
 activation's bitmask (relu's `x > 0`; MASKED_ACTIVATIONS: the epilogues whose table definition
 writes one), an (m, ceil(n/8)) uint8 block in the unary bitmask layout.
@@ -86,7 +88,9 @@ class BrgemmSpec(_SpecBase):
                Operand("b", "in", "block", self.dtype_b, *self.b_shape, self.ldb, "ldb"),
                Operand("c", "inout" if self.beta else "out", "block", self.dtype_c,
                        self.m, self.n, self.ldc, "ldc")]
-        if self.bias:
+        if self.bias == "col":
+            ops.append(Operand("bias", "in", "col", self.dtype_c, self.m, 1))
+        elif self.bias:
             ops.append(Operand("bias", "in", "row", self.dtype_c, 1, self.n))
         if self.bitmask:
             ops.append(Operand("mask", "out", "mask", _dt.U8, self.m, mask_bytes(self.n)))
@@ -128,8 +132,9 @@ def make_brgemm(m, n, k, *, lda=None, ldb=None, ldc=None, dtype_a="f32", dtype_b
         raise SpecError(f"batch must be one of {BATCH_MODES}, got {batch!r}")
     if bias is True:
         bias = "row"
-    if bias not in (None, False, "row"):
-        raise SpecError(f"bias must be None or 'row' (one row of n values), got {bias!r}")
+    if bias not in (None, False, "row", "col"):
+        raise SpecError(f"bias must be None, 'row' (one row of n values) or 'col' (one column "
+                        f"of m values), got {bias!r}")
     bias = bias or None
     if activation not in ACTIVATIONS:
         raise SpecError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

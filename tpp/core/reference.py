@@ -166,7 +166,8 @@ def _run_brgemm(spec, a_blocks, b_blocks, *rest):
     if spec.beta:
         acc += np.asarray(rest.pop(0)).astype(np.float64)
     if spec.bias:
-        acc += np.asarray(rest.pop(0)).astype(np.float64).reshape(1, n)
+        acc += np.asarray(rest.pop(0)).astype(np.float64).reshape(
+            (m, 1) if spec.bias == "col" else (1, n))
     x = acc.astype(np.float32).astype(np.float64)
     if spec.activation is None:
         return _round(x, spec.dtype_c)

@@ -170,7 +170,7 @@ class BrgemmKernel(KernelBase):
             raise ArgumentError(f"offsets_a/offsets_b belong to batch='offset'; this kernel's "
                                 f"batch mode is {spec.batch!r}")
         if (bias is not None) != bool(spec.bias):
-            raise ArgumentError("this kernel adds a bias row: pass bias=..." if spec.bias else
+            raise ArgumentError(f"this kernel adds a bias {spec.bias}: pass bias=..." if spec.bias else
                                 "this kernel has no bias (build it with bias='row')")
         if mask is not None and not spec.bitmask:
             raise ArgumentError("this kernel writes no bitmask (relu with bitmask=True does)")
