@@ -26,13 +26,15 @@ shape runs without padding the input.
 Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 rows,
 bn = the weight's panel width (64), kc = K up to 8192, else 4096-element chunks; bf16 output
 keeps K whole (a bf16 C cannot carry partial sums), except that K > 3072 runs the f32 nest in
-K chunks into an f32 buffer rounded to bf16 once (ops.matmul_longk). None of it depends on M. Problems under
-4 MFLOP whose weight is under 1 MiB run on one thread (decided per call, `serial`): the team's
-wake-up would cost more than it saves; a larger weight is streamed by every core even at M = 1.
-A winner stored by `ops.tune` for the problem on this CPU replaces the heuristic (its bm, kc,
-band order "CB"/"BC" and thread rule; its panel width when the weight was packed with it) for
-calls of at least half the M it was measured at (ops.autotune.SHARE); fewer rows run the
-heuristic's blocking in a second nest (`_Plan.for_rows`).
+K chunks into an f32 buffer rounded to bf16 once (ops.matmul_longk); bf16 weights of at most
+1 MiB on a matrix unit take the row band outer (order "BC"). None of it depends on M.
+Problems under 4 MFLOP whose weight is under 1 MiB run on one thread (decided per call,
+`serial`): the team's wake-up would cost more than it saves; a larger weight is streamed by
+every core even at M = 1. A winner stored by `ops.tune` for the problem on this CPU replaces
+the heuristic (its bm, kc, band order "CB"/"BC" and thread rule; its panel width when the
+weight was packed with it) for calls of at least half the M it was measured at
+(ops.autotune.SHARE); fewer rows run the heuristic's blocking in a second nest
+(`_Plan.for_rows`).
 
 Nests are compiled per (weight shape, dtypes, bias, activation, blocking), plans (`_Plan`: the
 nest, output dtype and thread rule, validated once) kept by each PackedWeight for the calls it

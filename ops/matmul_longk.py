@@ -62,14 +62,13 @@ class LongKPlan:
     def run(self, a, packed, out, bias, name):
         m, n = a.shape[0], self.n
         if out is None:
-            out = _host.like(_host.np_empty((m, n), _dt.BF16.numpy, _host.ALIGNED_FROM), a)
-            result = out
+            result = view = _host.like(_host.np_empty((m, n), _dt.BF16.numpy,
+                                                      _host.ALIGNED_FROM), a)
         else:
-            result = out
-            out = self._checked(out, a, packed, bias, name)
+            result, view = out, self._checked(out, a, packed, bias, name)
         acc = _host.like(_host.scratch("matmul_longk", (m, n), _dt.F32), a)
         self.inner.run(a, packed, acc, self._f32_bias(bias, a), name)
-        blocked.map_rows("identity", [acc], out)
+        blocked.map_rows("identity", [acc], view)
         return result
 
     def _checked(self, out, a, packed, bias, name):

@@ -497,6 +497,8 @@ CALL_ERRORS = {   # name: (kernel kwargs, call args, call kwargs, message); m, n
     "bias missing": ({"bias": "row"}, (A1, B1), {}, "pass bias="),
     "bias unexpected": ({}, (A1, B1), {"bias": _z(5)}, "no bias"),
     "bias wrong length": ({"bias": "row"}, (A1, B1), {"bias": _z(6)}, "expected 5 values"),
+    "col bias missing": ({"bias": "col"}, (A1, B1), {}, "pass bias="),
+    "col bias wrong length": ({"bias": "col"}, (A1, B1), {"bias": _z(5)}, "expected 4 values"),
     "mask unexpected": ({}, (A1, B1), {"mask": _z(4, 1, dtype=np.uint8)}, "no bitmask"),
     "offsets missing": (OFF, (_z(99), _z(99)), {"offsets_a": OFFS}, "needs offsets_a"),
     "offset out of range": (OFF, (_z(29), _z(99)), {"offsets_a": OFFS, "offsets_b": OFFS},
@@ -521,6 +523,18 @@ def test_bad_call_raises(case):
     spec_kw, args, kwargs, message = case
     with pytest.raises(tpp.ArgumentError, match=message):
         tpp.brgemm(4, 5, 6, **spec_kw)(*args, **kwargs)
+
+
+def test_col_bias_checked_after_a_good_call():
+    """A "col" bias (m values) is checked on the cached path too: a good call, then a bias
+    of n values on the same kernel raises."""
+    kern = tpp.brgemm(4, 5, 6, bias="col")
+    got = kern(np.ones((1, 4, 6), np.float32), np.ones((1, 6, 5), np.float32),
+               bias=np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(got, 6.0 + np.arange(4, dtype=np.float32)[:, None]
+                                  * np.ones((1, 5), np.float32))
+    with pytest.raises(tpp.ArgumentError, match="expected 4 values"):
+        kern(np.ones((1, 4, 6), np.float32), np.ones((1, 6, 5), np.float32), bias=_z(5))
 
 
 def test_offsets_reaching_the_end_of_the_base_array():

@@ -86,3 +86,19 @@ def test_bad_input_fails_as_on_the_whole_k_path():
     overlap[:] = a
     with pytest.raises(ArgumentError):
         ops.matmul(overlap, packed, out=overlap[:, :10])                 # out overlaps a
+
+
+def test_bad_input_after_good_calls():
+    """The weight's cached plan (ops.linear's thin path) checks as the first call did."""
+    a, b, bv = _problem(15, 6, 10, 4096, "bf16", "bf16")
+    w = np.ascontiguousarray(b.T)
+    packed = ops.pack_nk(w)
+    ops.linear(a, packed, bv)
+    ops.linear(a, packed, bv)                                   # thin path
+    with pytest.raises(ArgumentError, match="bias: expected bf16"):
+        ops.linear(a, packed, bv.astype(np.float32))
+    with pytest.raises(ArgumentError):
+        ops.linear(a[:, :100], packed, bv)                       # K mismatch
+    with pytest.raises(ArgumentError):
+        ops.linear(a.astype(np.float32), packed, bv)             # dtype mismatch
+

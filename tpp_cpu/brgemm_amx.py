@@ -407,11 +407,10 @@ class Pending:
     def _row(self, d):
         t, b = self.t, self.t.b
         spec, gen, lr = t.spec, t.gen, t.layout.rows
-        r = b.udiv(d, i64(lr))
-        row = b.add(self._get(self.starts, r), b.urem(d, i64(lr)))
+        r, y = b.udiv(d, i64(lr)), b.urem(d, i64(lr))     # tile slot, row in the tile
+        row = b.add(self._get(self.starts, r), y)
         base = self.slot_ptr(self._get(self.state, 3))
-        at = b.add(b.mul(r, i64(TILE * SCRATCH_COLS)), b.mul(b.urem(d, i64(lr)),
-                                                              i64(SCRATCH_COLS)))
+        at = b.add(b.mul(r, i64(TILE * SCRATCH_COLS)), b.mul(y, i64(SCRATCH_COLS)))
         count = t.count()
 
         def column(c):
