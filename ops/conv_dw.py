@@ -23,6 +23,12 @@ accumulation). The result is rounded to bf16 and transposed into (K, C/groups, R
 Layers with few (block, block, tap) work items (3x3 64: 9) split each input block's
 channels in two (m = bc/2), so that two threads get equal shares (3x3 64 @56: -7%).
 
+Small images with short or odd rows (flat_serves: ResNet's 7x7 and 14x14 stages) gather each
+tap's pixels instead (`_cols_nest`), so that the depth is a whole image and the count the
+batch, and the BRGEMM rounds its sums to bf16 itself (see FLAT_PIXELS; 2 Sapphire Rapids
+cores, batch 4, the whole weight gradient: 3x3 512 @7 4.9 -> 1.9 ms, torch 4.5; 1x1 1024->256
+@14 0.67 -> 0.61; 3x3 256 @14 and 1x1 512->2048 @7 level).
+
 Measured (2 Zen 4 cores, batch 4, the pass with its conversions, vs the generic nest):
 3x3 64 @56 4.9 -> 2.6-2.8 ms, 128 @28 4.3 -> 2.4, 256 @14 4.4 -> 2.4, 512 @7 5.2 -> 3.6,
 3x3/2 128 @56 4.6 -> 2.7 (the weight-gradient BRGEMMs at 300-390 GFLOP/s).
@@ -207,6 +213,108 @@ for _cache in (_xt_nest, _dyv_nest, _dw_nest, _round_nest, _out_nest, dw_out_nes
     also_clear(_cache.cache_clear)
 
 
+# Flat pixels. A row of Q output pixels is the BRGEMM's depth above; a short or odd row
+# (7 pixels: ResNet's last stage) wastes most of each tile multiply (a depth of 8 where a tile
+# takes 32) and an odd depth takes the kernel's tail copies on every row. Where P * Q is at
+# most FLAT_PIXELS, each tap's input pixels are instead gathered once per call (an im2col of
+# the tap: `_cols_nest`, (bc x P*Q) per input block, zero-padded to `flat_depth`) and dy's
+# pixels are VNNI-paired across rows, so one BRGEMM per (input block, tap, output block) has
+# the whole image as its depth and the batch as its count. The gather costs R*S copies of x,
+# small at these sizes (3x3 512 @7, batch 4: 2.4 MB).
+FLAT_PIXELS = 256
+FLAT = None         # None: flat where flat_serves says; True / False forces it (tests)
+
+
+def flat_serves(geo) -> bool:
+    """Whether weight_grad gathers each tap's pixels (see FLAT_PIXELS): images of at most
+    FLAT_PIXELS output pixels whose rows are odd or shorter than a tile's depth (32)."""
+    if FLAT is not None:
+        return FLAT
+    return geo.p * geo.q <= FLAT_PIXELS and (geo.q % 2 == 1 or geo.q < 32)
+
+
+def flat_depth(pixels: int) -> int:
+    """The gathered depth: pixels rounded up to even, and to a multiple of 32 (a whole tile
+    step) past 32."""
+    return pixels + pixels % 2 if pixels <= 32 else -(-pixels // 32) * 32
+
+
+@functools.lru_cache(maxsize=256)
+def _cols_nest(gcb, bc, hp, wp, r, s, sh, sw, dh, dw, p, q, depth, dtype):
+    """cols (N, gcb, r*s, bc, depth): cols[.., i*s + j, c, row*q + col] = the input pixel that
+    output pixel (row, col) meets at tap (i, j), channel c; zeros past p*q."""
+    n = tpp.size("N")
+    nest = tpp.LoopNest("ABCDe", a=n, b=gcb, c=r, d=s, e=p)
+    a, b, i, j, row = nest.vars
+    xb = nest.tensor("xb", (n, gcb, hp, wp, bc), dtype)
+    cols = nest.tensor("cols", (n, gcb, r * s, bc, depth), dtype)
+    spec = tpp.make_unary("transpose", q, bc, ldi=sw * bc, ldo=depth, dtype_in=dtype)
+    nest.call(spec, xb[a, b, row * sh + i * dh, j * dw, 0], cols[a, b, i * s + j, 0, row * q])
+    if depth > p * q:
+        pad = tpp.make_unary("zero", bc, depth - p * q, ldo=depth, dtype_in=dtype,
+                             dtype_out=dtype)
+        nest.call(pad, cols[a, b, i * s + j, 0, p * q], when=(row == 0,))
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _dy_flat_nest(gkb, pq, depth, bk, dtype):
+    """dyb (N, gkb, pq, bk) -> dyf (N, gkb, depth/2, 2*bk): VNNI pairs of consecutive pixels
+    across rows, zero pairs past pq."""
+    n = tpp.size("N")
+    nest = tpp.LoopNest("AB", a=n, b=gkb)
+    a, b = nest.vars
+    dyb = nest.tensor("dyb", (n, gkb, pq, bk), dtype)
+    dyf = nest.tensor("dyf", (n, gkb, depth // 2, 2 * bk), dtype)
+    nest.call(tpp.make_unary("vnni2", pq, bk, dtype_in=dtype), dyb[a, b, 0, 0],
+              dyf[a, b, 0, 0])
+    pairs = -(-pq // 2)
+    if depth // 2 > pairs:
+        pad = tpp.make_unary("zero", depth // 2 - pairs, 2 * bk, dtype_in=dtype,
+                             dtype_out=dtype)
+        nest.call(pad, dyf[a, b, pairs, 0])
+    return nest.compile()
+
+
+@functools.lru_cache(maxsize=256)
+def _dw_flat_nest(groups, cb, kb, bc, bk, rs, depth, ms, dtype):
+    """tmp (groups, cb*bc, rs, kb*bk) = sum over the batch of cols^T dyf (N >= 1), summed in
+    f32 and rounded once (one BRGEMM per block: its count is the batch); each input block's
+    bc channels in ms parts."""
+    n = tpp.size("N")
+    mb = bc // ms
+    nest = tpp.LoopNest("ABCDE", a=groups, b=cb, c=ms, d=kb, e=rs)
+    g, b, m, k, t = nest.vars
+    cols = nest.tensor("cols", (n, groups * cb, rs, bc, depth), dtype)
+    dyf = nest.tensor("dyf", (n, groups * kb, depth // 2, 2 * bk), dtype)
+    dwt = nest.tensor("tmp", (groups, cb * bc, rs, kb * bk), dtype)
+    spec = tpp.make_brgemm(mb, bk, depth, lda=depth, ldb=2 * bk, ldc=rs * kb * bk,
+                           dtype_a=dtype, dtype_b=dtype, dtype_c=dtype, vnni_b=True)
+    nest.call(spec, cols[0, g * cb + b, t, m * mb, 0], dyf[0, g * kb + k, 0, 0],
+              dwt[g, b * bc + m * mb, t, k * bk], count=n,
+              stride_a=groups * cb * rs * bc * depth, stride_b=groups * kb * depth * bk)
+    return nest.compile()
+
+
+for _cache in (_cols_nest, _dy_flat_nest, _dw_flat_nest):
+    also_clear(_cache.cache_clear)
+
+
+def _flat_sums(xb, dyb, tmp, geo, n, cb, kb, ms, like):
+    """tmp (weight_grad's rounded dwt) from the gathered taps (flat_serves; n >= 1)."""
+    bc, bk, dt = geo.bc, geo.bk, geo.dtype
+    gcb, gkb, rs, pq = geo.groups * cb, geo.groups * kb, geo.r * geo.s, geo.p * geo.q
+    depth = flat_depth(pq)
+    cols = _host.empty((n, gcb, rs, bc, depth), dt, like)
+    _cols_nest(gcb, bc, geo.hp, geo.wp, geo.r, geo.s, *geo.stride, *geo.dilation, geo.p,
+               geo.q, depth, dt)(xb, cols, threads=_threads(64 * math.prod(cols.shape)))
+    dyf = _host.empty((n, gkb, depth // 2, 2 * bk), dt, like)
+    _dy_flat_nest(gkb, pq, depth, bk, dt)(
+        _host.reshape(dyb, (n, gkb, pq, bk)), dyf, threads=_threads(64 * math.prod(dyf.shape)))
+    _dw_flat_nest(geo.groups, cb, kb, bc, bk, rs, depth, ms, dt)(
+        cols, dyf, tmp, threads=_threads(geo.flops(n)))
+
+
 def serves(geo, host) -> bool:
     """Whether weight_grad runs this layer: bf16 host data (the dot instruction's case)."""
     return host and geo.dtype == _dt.BF16
@@ -220,24 +328,28 @@ def weight_grad(xb, dyb, geo, n, like):
     sh, sw = geo.stride
     wq = -(-geo.wp // sw)
     rs = geo.r * geo.s
-    dwt = (_host.empty if n else _host.zeros)((geo.groups, cb * bc, rs, kb * bk), _dt.F32, like)
-    if n:
-        gcb, gkb = geo.groups * cb, geo.groups * kb
-        xt = _host.empty((n, gcb, geo.hp, sw, bc, wq), dt, like)
-        _xt_nest(gcb, bc, geo.hp, geo.wp, sw, wq, dt)(
-            xb, xt, threads=_threads(64 * math.prod(xt.shape)))
-        dyv = _host.empty((n, gkb, geo.p, -(-geo.q // 2), 2 * bk), dt, like)
-        _dyv_nest(gkb, geo.p, geo.q, bk, dt)(
-            dyb, dyv, threads=_threads(64 * math.prod(dyv.shape)))
-        # few (input block, output block, tap) items (3x3 64: 9 for the threads): halves
-        ms = 2 if geo.groups * cb * kb * rs < 32 and bc % 32 == 0 else 1
-        _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, wq, geo.r, geo.s, sh, sw,
-                 geo.dilation[0], geo.dilation[1], geo.p, geo.q, ms, dt)(
-            xt, dyv, dwt, threads=_threads(geo.flops(n)))
+    shape = (geo.groups, cb * bc, rs, kb * bk)
+    tmp = _host.empty(shape, dt, like)          # dw's blocks, rounded
+    threads = _threads(64 * math.prod(shape))
+    # few (input block, output block, tap) items (3x3 64: 9 for the threads): halves
+    ms = 2 if geo.groups * cb * kb * rs < 32 and bc % 32 == 0 else 1
+    if n and flat_serves(geo):
+        _flat_sums(xb, dyb, tmp, geo, n, cb, kb, ms, like)
+    else:
+        dwt = (_host.empty if n else _host.zeros)(shape, _dt.F32, like)
+        if n:
+            gcb, gkb = geo.groups * cb, geo.groups * kb
+            xt = _host.empty((n, gcb, geo.hp, sw, bc, wq), dt, like)
+            _xt_nest(gcb, bc, geo.hp, geo.wp, sw, wq, dt)(
+                xb, xt, threads=_threads(64 * math.prod(xt.shape)))
+            dyv = _host.empty((n, gkb, geo.p, -(-geo.q // 2), 2 * bk), dt, like)
+            _dyv_nest(gkb, geo.p, geo.q, bk, dt)(
+                dyb, dyv, threads=_threads(64 * math.prod(dyv.shape)))
+            _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, wq, geo.r, geo.s, sh, sw,
+                     geo.dilation[0], geo.dilation[1], geo.p, geo.q, ms, dt)(
+                xt, dyv, dwt, threads=_threads(geo.flops(n)))
+        _round_nest(geo.groups, cb * bc, rs, kb * bk, dt)(dwt, tmp, threads=threads)
     dw = _host.empty((geo.k, geo.cg, geo.r, geo.s), dt, like)
-    tmp = _host.empty(tuple(dwt.shape), dt, like)
-    threads = _threads(64 * math.prod(dwt.shape))
-    _round_nest(geo.groups, cb * bc, rs, kb * bk, dt)(dwt, tmp, threads=threads)
     _out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, rs, dt)(
         tmp, _host.reshape(dw, (geo.k, geo.cg, rs)), threads=threads)
     return dw
