@@ -328,9 +328,9 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
     taps = host and _taps.serves(geo)   # few input channels (the stem): ops.conv_taps
     dot_taps = taps and _taps.dot_dy(geo)     # whose bf16 weight gradient reads dy as it is
     if (need_dw and not dot_taps) or (need_db and not host):
-        dyb0 = to_blocked(dy, dgeo).data
+        dyb0 = to_blocked(dy, dgeo, scratch="conv_dy").data
     if need_dw:
-        xb = to_blocked(x, geo).data if xb is None else xb.data
+        xb = to_blocked(x, geo, scratch="conv_x").data if xb is None else xb.data
         bc, bk = geo.bc, geo.bk
         cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
         if _dwv.serves(geo, host) and not taps:     # bf16: the dot instruction
@@ -338,8 +338,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         elif n and taps:
             dwt = _taps.weight_grad(xb, None if dot_taps else dyb0, geo, x, dy)
         else:
-            dwt = (_host.empty if n else _host.zeros)(
-                (geo.groups, kb * bk, geo.r * geo.s, cb * bc), _dt.F32, x)
+            dwt = _host.temp("conv_dwt", (geo.groups, kb * bk, geo.r * geo.s, cb * bc),
+                             _dt.F32, x, zero=not n)
         if n and not taps and dw is None:
             _dwv.brgemm_nest(geo.groups, cb, kb, bc, bk, geo.hp, geo.wp, geo.r, geo.s,
                              geo.stride[0], geo.stride[1], geo.dilation[0], geo.dilation[1],
@@ -348,7 +348,8 @@ def conv2d_backward(dy, x, weight, *, stride=1, padding=0, dilation=1, groups=1,
         dw = _host.empty(tuple(weight.shape), dt, x)
         _dwv.dw_out_nest(geo.groups, geo.kg, geo.cg, kb * bk, cb * bc, geo.r * geo.s, dt)(
             *([dwt, _host.reshape(dw, (geo.k, geo.cg, geo.r * geo.s))] +
-              ([_host.empty(tuple(dwt.shape), dt, x)] if dt != _dt.F32 else [])),
+              ([_host.temp("conv_dw_rounded", tuple(dwt.shape), dt, x)]
+               if dt != _dt.F32 else [])),
             threads=_threads(64 * _size(dwt)))
     if need_db and host:    # a row sum of dy as it is (NCHW), no blocked copy
         db = _pointwise.convert(_pointwise.bias_grad(
@@ -374,7 +375,8 @@ def _host_data_grad(dy, weight, geo, x, packed):
     GEMM columns."""
     if _strided.small(geo):
         return _strided.data_grad_small(dy, weight, geo, x)
-    wbt = packed or pack_weight(weight, geo.groups, geo.dtype, transposed=True)
+    wbt = packed or pack_weight(weight, geo.groups, geo.dtype, transposed=True,
+                                scratch="conv_dx_weight")
     return _strided.data_grad(dy, wbt.data, geo, x)
 
 

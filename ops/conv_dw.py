@@ -305,10 +305,10 @@ def _flat_sums(xb, dyb, tmp, geo, n, cb, kb, ms, like):
     bc, bk, dt = geo.bc, geo.bk, geo.dtype
     gcb, gkb, rs, pq = geo.groups * cb, geo.groups * kb, geo.r * geo.s, geo.p * geo.q
     depth = flat_depth(pq)
-    cols = _host.empty((n, gcb, rs, bc, depth), dt, like)
+    cols = _host.temp("conv_dw_cols", (n, gcb, rs, bc, depth), dt, like)
     _cols_nest(gcb, bc, geo.hp, geo.wp, geo.r, geo.s, *geo.stride, *geo.dilation, geo.p,
                geo.q, depth, dt)(xb, cols, threads=_threads(64 * math.prod(cols.shape)))
-    dyf = _host.empty((n, gkb, depth // 2, 2 * bk), dt, like)
+    dyf = _host.temp("conv_dw_dy", (n, gkb, depth // 2, 2 * bk), dt, like)
     _dy_flat_nest(gkb, pq, depth, bk, dt)(
         _host.reshape(dyb, (n, gkb, pq, bk)), dyf, threads=_threads(64 * math.prod(dyf.shape)))
     _dw_flat_nest(geo.groups, cb, kb, bc, bk, rs, depth, ms, dt)(
@@ -329,20 +329,21 @@ def weight_grad(xb, dyb, geo, n, like):
     wq = -(-geo.wp // sw)
     rs = geo.r * geo.s
     shape = (geo.groups, cb * bc, rs, kb * bk)
-    tmp = _host.empty(shape, dt, like)          # dw's blocks, rounded
+    tmp = _host.temp("conv_dw_rounded", shape, dt, like)      # dw's blocks, rounded
     threads = _threads(64 * math.prod(shape))
     # few (input block, output block, tap) items (3x3 64: 9 for the threads): halves
     ms = 2 if geo.groups * cb * kb * rs < 32 and bc % 32 == 0 else 1
     if n and flat_serves(geo):
         _flat_sums(xb, dyb, tmp, geo, n, cb, kb, ms, like)
     else:
-        dwt = (_host.empty if n else _host.zeros)(shape, _dt.F32, like)
+        dwt = _host.temp("conv_dwt", shape, _dt.F32, like, zero=not n)
         if n:
             gcb, gkb = geo.groups * cb, geo.groups * kb
-            xt = _host.empty((n, gcb, geo.hp, sw, bc, wq), dt, like)
+            xt = _host.temp("conv_dw_cols", (n, gcb, geo.hp, sw, bc, wq), dt, like)
             _xt_nest(gcb, bc, geo.hp, geo.wp, sw, wq, dt)(
                 xb, xt, threads=_threads(64 * math.prod(xt.shape)))
-            dyv = _host.empty((n, gkb, geo.p, -(-geo.q // 2), 2 * bk), dt, like)
+            dyv = _host.temp("conv_dw_dy", (n, gkb, geo.p, -(-geo.q // 2), 2 * bk), dt,
+                             like)
             _dyv_nest(gkb, geo.p, geo.q, bk, dt)(
                 dyb, dyv, threads=_threads(64 * math.prod(dyv.shape)))
             _dw_nest(geo.groups, cb, kb, bc, bk, geo.hp, wq, geo.r, geo.s, sh, sw,

@@ -169,7 +169,7 @@ class _ForwardStep:
             y = yb = _host.zeros(self.yshape, geo.dtype, like)
         else:
             y = _host.empty((n, geo.k, geo.p, geo.q), geo.dtype, like)
-            yb = _host.empty(self.yshape, geo.dtype, like)
+            yb = _host.temp("conv_yb", self.yshape, geo.dtype, like)     # y's blocks
         if self.nest is None:
             return y
         args = [xb, wb]
@@ -177,7 +177,7 @@ class _ForwardStep:
             args.append(_pad_bias(bias, geo.groups, geo.kg, geo.bk, like))
         args.append(yb)
         if self.acc is not None:
-            args.append(_host.empty(self.acc, _dt.F32, like))
+            args.append(_host.temp("conv_acc", self.acc, _dt.F32, like))
         if self.taps:
             args[0], args[1], _ = _taps.operands(xb, wb, geo, geo.q)
         elif self.flat:

@@ -427,8 +427,13 @@ class ToBlocked:
         self.shape, self.dtype, self.zeroed, self.nest = shape, dtype, zeroed, nest
         self.threads, self.fields = threads, fields
 
-    def __call__(self, x) -> BlockedActivation:
-        xb = (_host.zeros if self.zeroed else _host.empty)(self.shape, self.dtype, x)
+    def __call__(self, x, scratch: str | None = None) -> BlockedActivation:
+        """scratch: the name of the thread's scratch array to write (_host.temp: an
+        intermediate of the caller's call, never kept), else a fresh array."""
+        if scratch is not None:
+            xb = _host.temp(scratch, self.shape, self.dtype, x, zero=self.zeroed)
+        else:
+            xb = (_host.zeros if self.zeroed else _host.empty)(self.shape, self.dtype, x)
         if self.nest is not None:
             self.nest(x, xb, threads=self.threads)
         return BlockedActivation(xb, *self.fields)
@@ -452,11 +457,12 @@ def to_blocked_step(n, geo: Geometry, scatter=(1, 1), frame=None, origin=None) -
                       (oh, hb - oh - geo.h, ow, wb - ow - geo.w)))
 
 
-def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None) -> BlockedActivation:
+def to_blocked(x, geo: Geometry, *, scatter=(1, 1), frame=None, origin=None,
+               scratch=None) -> BlockedActivation:
     """x (N, C, H, W) as a BlockedActivation for geo (its padding as the frame). `scatter`
     spaces the pixels (the transposed convolution's zero insertion); frame (hb, wb) and origin
-    (oh, ow) override the padded frame."""
-    return to_blocked_step(x.shape[0], geo, scatter, frame, origin)(x)
+    (oh, ow) override the padded frame; scratch: see ToBlocked.__call__."""
+    return to_blocked_step(x.shape[0], geo, scatter, frame, origin)(x, scratch)
 
 
 def from_blocked(yb, channels, groups, bk, p, q, out, origin=(0, 0)):
@@ -495,11 +501,11 @@ def _turn_nest(groups, kb, cb, r, s, bc, bk, dtype):
     return nest.compile()
 
 
-def transpose_packed(wb: BlockedWeight) -> BlockedWeight:
+def transpose_packed(wb: BlockedWeight, scratch=None) -> BlockedWeight:
     """The data gradient's packed weight (pack_weight(w, ..., transposed=True)) made from the
     forward's packed weight of the same w: one transpose per block (bf16: unpack, transpose,
     repack), where packing w afresh reads it with strides of a whole filter (see
-    pack_transposed)."""
+    pack_transposed). scratch: as pack_weight's."""
     if not isinstance(wb, BlockedWeight) or wb.transposed:
         raise ArgumentError(f"transpose_packed: expected a forward packed weight "
                             f"(pack_weight(w, groups, dtype)), got {wb!r}")
@@ -509,7 +515,8 @@ def transpose_packed(wb: BlockedWeight) -> BlockedWeight:
     bc, bk = block(cg, dtype), block(kg, dtype)
     cb, kb = -(-cg // bc), -(-kg // bk)
     shape = (wb.groups * cb, kb, r, s) + ((bk // 2, 2 * bc) if dtype == _dt.BF16 else (bk, bc))
-    wbt = _host.empty(shape, dtype, wb.data)
+    wbt = _host.temp(scratch, shape, dtype, wb.data) if scratch else \
+        _host.empty(shape, dtype, wb.data)
     args = [wb.data, wbt]
     if dtype == _dt.BF16:
         tiles = (wb.groups * kb, cb, r, s)
@@ -524,19 +531,22 @@ def transpose_packed(wb: BlockedWeight) -> BlockedWeight:
     return BlockedWeight(wbt, wb.shape, wb.groups, True)
 
 
-def pack_transposed(w, groups, dtype, forward=None) -> BlockedWeight:
+def pack_transposed(w, groups, dtype, forward=None, scratch=None) -> BlockedWeight:
     """pack_weight(w, groups, dtype, transposed=True), from `forward` (w's forward packed
     weight) when there is one: turning its blocks is faster than reading w with strides of a
     whole filter (2 cores, interleaved: 3x3 512 f32 0.80 against 0.97 ms, bf16 0.44-0.49
-    against 0.55-0.62; 3x3 256 f32 0.050 / 0.121, bf16 0.058 / 0.096)."""
+    against 0.55-0.62; 3x3 256 f32 0.050 / 0.121, bf16 0.058 / 0.096). scratch: as
+    pack_weight's."""
     if forward is not None:
-        return transpose_packed(forward)
-    return pack_weight(w, groups, dtype, transposed=True)
+        return transpose_packed(forward, scratch)
+    return pack_weight(w, groups, dtype, transposed=True, scratch=scratch)
 
 
-def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
+def pack_weight(w, groups, dtype, *, transposed=False, scratch=None) -> BlockedWeight:
     """w (K, C/groups, R, S) packed for the forward nest ([G*Kb][Cb][R][S][bc][bk]) or, with
-    transposed=True, flipped and transposed for the data gradient ([G*Cb][Kb][R][S][bk][bc])."""
+    transposed=True, flipped and transposed for the data gradient ([G*Cb][Kb][R][S][bk][bc]).
+    scratch: the packed data goes to the thread's scratch array of that name (_host.temp), for
+    a caller that uses it within its call only."""
     k, cg, r, s = w.shape
     kg = k // groups
     bc, bk = block(cg, dtype), block(kg, dtype)
@@ -556,7 +566,7 @@ def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
             _host.reshape(w3, (k, cg * rs)), slabs, wb, threads=threads)
         return BlockedWeight(_host.reshape(wb, (groups * kb, cg // bc, r, s) + block_shape),
                              (k, cg, r, s), groups, False)
-    alloc = _host.empty if (cgp, kgp) == (cg, kg) else _host.zeros     # zeroed: padding
+    zero = (cgp, kgp) != (cg, kg)       # zeroed: padding
     if transposed and rs == 1 and (cgp, kgp) == (cg, kg):
         # a 1x1 weight's data-gradient blocks are w's own (bk x bc) blocks: one copy each
         vnni = dtype == _dt.BF16
@@ -566,19 +576,19 @@ def pack_weight(w, groups, dtype, *, transposed=False) -> BlockedWeight:
                                                         threads=threads)
         return BlockedWeight(wb, (k, cg, r, s), groups, True)
     if transposed:
-        wt = alloc((groups, kgp, rs, cgp), dtype, w)
+        wt = _host.temp("conv_pack_rows", (groups, kgp, rs, cgp), dtype, w, zero)
         _weight_rows_nest(k, cg, rs, groups, kgp, cgp, True, dtype)(w3, wt, threads=threads)
         nest = _weight_blocks_nest(groups, kgp, cgp, r, s, bk, bc, True, dtype)
         rows, cols = kgp, cgp
     else:
-        wt = alloc((groups, cgp, rs, kgp), dtype, w)
+        wt = _host.temp("conv_pack_rows", (groups, cgp, rs, kgp), dtype, w, zero)
         _weight_rows_nest(k, cg, rs, groups, kgp, cgp, False, dtype)(w3, wt, threads=threads)
         nest = _weight_blocks_nest(groups, cgp, kgp, r, s, bc, bk, False, dtype)
         rows, cols = cgp, kgp
     brow, bcol = (bk, bc) if transposed else (bc, bk)
     shape = (groups * (cols // bcol), rows // brow, r, s) + \
         ((brow // 2, 2 * bcol) if dtype == _dt.BF16 else (brow, bcol))
-    wb = _host.empty(shape, dtype, w)
+    wb = _host.temp(scratch, shape, dtype, w) if scratch else _host.empty(shape, dtype, w)
     nest(wt, wb, threads=threads)
     return BlockedWeight(wb, (k, cg, r, s), groups, transposed)
 

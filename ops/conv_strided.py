@@ -178,13 +178,13 @@ def data_grad(dy, wbt, geo: Geometry, like):
     hd, wd = geo.p + ft + fb, geo.q + fl + fr
     dgeo = Geometry(geo.k, geo.c, geo.p, geo.q, geo.r, geo.s, geo.groups, (1, 1),
                     (0, 0, 0, 0), geo.dilation, dt)
-    dyb = to_blocked(dy, dgeo, frame=(hd, wd), origin=(ft, fl)).data
+    dyb = to_blocked(dy, dgeo, frame=(hd, wd), origin=(ft, fl), scratch="conv_dx_dy").data
     bc, bk = geo.bc, geo.bk
     cb, kb = -(-geo.cg // bc), -(-geo.kg // bk)
-    dxb = _host.empty((n, geo.groups * cb, geo.h, geo.w, bc), dt, like)
+    dxb = _host.temp("conv_dxb", (n, geo.groups * cb, geo.h, geo.w, bc), dt, like)
     args = [dyb, wbt, dxb]
     if dt == _dt.BF16:
-        args.append(_host.empty(tuple(dxb.shape), _dt.F32, like))
+        args.append(_host.temp("conv_dx_acc", tuple(dxb.shape), _dt.F32, like))
     key = lambda ph: tuple((a, cnt, tuple(t)) for a, cnt, t in ph)  # noqa: E731
     nest = _dx_nest(geo.groups, kb, cb, bk, bc, geo.r, geo.s, geo.h, geo.w, hd, wd,
                     geo.stride[0], geo.stride[1], key(rows), key(cols), ft, fl, dt)

@@ -133,8 +133,9 @@ class Conv2dFunction(torch.autograd.Function):
             if cached and packs.transposed is not None:
                 packed = packs.transposed
             else:
+                # a weight packed for this call only goes to the thread's scratch
                 packed = _c.pack_transposed(weight.detach(), groups, _c._host.dtype_of(
-                    weight, "weight"), wb)
+                    weight, "weight"), wb, scratch=None if cached else "conv_dx_weight")
                 if cached:
                     packs.transposed = packed
         dx, dw, db = _c.conv2d_backward(

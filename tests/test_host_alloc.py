@@ -146,3 +146,18 @@ def test_host_arrays_start_at_64_byte_boundaries():
     assert _host.empty((5, 7), dtypes.BF16, like).ctypes.data % 64 == 0
     assert _host.zeros((5, 7), dtypes.F32, like).ctypes.data % 64 == 0
     assert _host.scratch("align-test", (9, 9), dtypes.F32).ctypes.data % 64 == 0
+
+
+def test_temp_is_the_scratch_of_the_callers_kind():
+    from tpp.core import dtypes
+    import tpp
+    x = torch.zeros(2)
+    t = _host.temp("t_temp", (3, 4), dtypes.F32, x)
+    assert isinstance(t, torch.Tensor) and t.shape == (3, 4) and t.dtype == torch.float32
+    t.fill_(5.0)
+    again = _host.temp("t_temp", (3, 4), dtypes.F32, x, zero=True)
+    assert again.data_ptr() == t.data_ptr() and not again.any()       # the same memory, zeroed
+    arr = _host.temp("t_temp", (3, 4), dtypes.F32, np.zeros(2))
+    assert type(arr) is np.ndarray and arr.ctypes.data == t.data_ptr()
+    assert arr.ctypes.data % _host.ALIGN == 0
+    tpp.clear_caches()
