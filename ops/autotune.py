@@ -23,6 +23,9 @@ most promising ones. The few fastest that beat the heuristic by more than the no
 (`margin`, default 3%) are then measured again, interleaved with the heuristic, and the winner
 is kept only if it still beats the heuristic's blocking by the margin in that confirmation
 round (2 * repeats + 1 calls of each finalist and as many of the heuristic after the budget).
+The heuristic is measured as ops.matmul runs a call without a winner (`_baseline`: its panel
+width and order, bf16 weights on a matrix unit included; a bf16 output with a long K summed in
+f32 chunks, ops.matmul_longk), stored winners ignored while it is built.
 
 Winners are stored in the disk cache (tpp.runtime.cache, `TPP_CACHE_DIR`) under a key of
 (N, K, input and output dtype, bias, activation, the CPU's fingerprint; matmul and linear run
@@ -40,9 +43,11 @@ TPP_CACHE_DIR to start over).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -130,9 +135,24 @@ def lookup(n: int, k: int, dtype, out_dtype, bias: bool, activation):
     return None if found is None else found[0]
 
 
+_IGNORING = threading.local()     # .on: this thread's lookups find nothing (_heuristic_only)
+
+
+@contextlib.contextmanager
+def _heuristic_only():
+    """Within: this thread's lookups find no stored winner (tune's baseline is built so)."""
+    _IGNORING.on = True
+    try:
+        yield
+    finally:
+        _IGNORING.on = False
+
+
 def lookup_with_rows(n: int, k: int, dtype, out_dtype, bias: bool, activation):
     """(Candidate, the fewest rows it serves: its M // SHARE, at least 1) of the stored winner
     for this problem on this CPU, or None."""
+    if getattr(_IGNORING, "on", False):
+        return None
     value = _stored(_key(n, k, dtype, out_dtype, bias, activation))
     if not isinstance(value, dict):
         return None
@@ -148,6 +168,8 @@ def lookup_with_rows(n: int, k: int, dtype, out_dtype, bias: bool, activation):
 
 def lookup_bn(n: int, k: int, dtype):
     """The panel width a stored winner packs (N, K) weights of this dtype with, or None."""
+    if getattr(_IGNORING, "on", False):
+        return None
     value = _stored(_bn_key(n, k, dtype))
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
         else None
@@ -158,26 +180,37 @@ def forget() -> None:
     _stored.cache_clear()
 
 
-def heuristic(k: int, n: int, out_dtype) -> Candidate:
-    """The blocking ops.matmul chooses without a stored winner."""
-    from .matmul import choose_blocking
+def _tiles(dtype) -> bool:
+    """Whether ops.pack_kn gives host weights of this dtype matrix-unit panels."""
+    return _dt.lookup(dtype) == _dt.BF16 and tpp.has_matrix_unit(_dt.BF16)
+
+
+def heuristic(k: int, n: int, out_dtype, dtype=None) -> Candidate:
+    """The blocking and panel width ops.matmul runs host data of `dtype` (default: out_dtype)
+    with when no winner is stored (matmul.heuristic_blocking, packing.default_bn). A bf16
+    output with a long K runs its K in chunks besides (ops.matmul_longk), which no Candidate
+    describes: tune measures that plan as the heuristic's (_baseline)."""
+    from .matmul import heuristic_blocking
     from .packing import default_bn
-    bl = choose_blocking(k, out_dtype)
-    return Candidate(bl.bm, min(bl.kc, k), default_bn(n))
+    dtype = _dt.lookup(out_dtype if dtype is None else dtype)
+    bl = heuristic_blocking(k, n, dtype, _dt.lookup(out_dtype))
+    return Candidate(bl.bm, min(bl.kc, k), default_bn(n, _tiles(dtype), k), bl.order)
 
 
 def candidates(m: int, n: int, k: int, dtype, out_dtype) -> list:
     """Every candidate of the search space that is valid for this problem, ranked by the cost
     model (best first); the heuristic's first of all."""
-    base = heuristic(k, n, out_dtype)
+    from .packing import TILE_PANELS
+    base = heuristic(k, n, out_dtype, dtype)
     vnni = dtype == _dt.BF16
+    widths = (32, 64, 128) + (TILE_PANELS if _tiles(dtype) else ())
     kcs = {k} if out_dtype == _dt.BF16 else {k} | {c for c in (512, 1024, 2048, 4096) if c < k}
     if vnni:
         kcs = {c for c in kcs if c == k or c % 2 == 0}
     found = set()
     for bm in (32, 64, 96, 128):
         for kc in kcs:
-            for bn in (32, 64, 128):
+            for bn in widths:
                 if bn > max(32, n) or bm > max(32, m):
                     continue
                 for order in ("CB", "BC"):
@@ -223,12 +256,12 @@ def tune(op: str, m: int, n: int, k: int, *, dtype="f32", out_dtype=None, bias: 
     dt_out = _dt.lookup(out_dtype) if out_dtype is not None else dt
     a, b, bias_v = _problem(m, n, k, dt, dt_out, bias)
     space = candidates(m, n, k, dt, dt_out) if space is None else list(space)
-    base = heuristic(k, n, dt_out)
+    base = heuristic(k, n, dt_out, dt)
     if base not in space:
         space.insert(0, base)
     times: dict = {}
     runner = functools.partial(_runner, a, b, bias_v, dt_out, activation)
-    base_run = runner(base)
+    base_run = _baseline(a, b, bias_v, dt_out, activation, base)
     base_times: list = []
     deadline = time.perf_counter() + budget_s
     for cand in space:
@@ -251,8 +284,8 @@ def tune(op: str, m: int, n: int, k: int, *, dtype="f32", out_dtype=None, bias: 
                                     json.dumps(dict(asdict(best), m=m)).encode()) is not None
                          and disk.store(_bn_key(n, k, dt), json.dumps(best.bn).encode())
                          is not None)
-        from .matmul import forget_tuned
-        forget_tuned()          # plans made before now took the heuristic
+    from .matmul import forget_tuned
+    forget_tuned()      # the plans made so far ignored the stored winners (or predate them)
     return result
 
 
@@ -302,6 +335,21 @@ def _runner(a, b, bias, dt_out, activation, cand: Candidate):
     call = functools.partial(matmul, a, packed, out, bias, activation,
                              out_dtype=dt_out.name, blocking=bl)
     call()      # compile outside the timing
+    return call
+
+
+def _baseline(a, b, bias, dt_out, activation, base: Candidate):
+    """A no-argument callable running ops.matmul as it runs without blocking= and without a
+    stored winner (base: its Candidate, for the panel width): the candidates' yardstick."""
+    from .matmul import forget_tuned, matmul
+    from .packing import pack_kn
+    out = np.empty((a.shape[0], b.shape[1]), dt_out.numpy)
+    forget_tuned()      # no plan made earlier, perhaps on a stored winner, is reused
+    with _heuristic_only():
+        packed = pack_kn(b, bn=base.bn)
+        call = functools.partial(matmul, a, packed, out, bias, activation,
+                                 out_dtype=dt_out.name)
+        call()      # compiles, and keeps the plan in the weight, built without stored winners
     return call
 
 

@@ -511,11 +511,15 @@ def _default_blocking(packed, k, dt, dt_out, has_bias, activation):
     found = autotune.lookup_with_rows(packed.n, k, dt, dt_out, has_bias, activation)
     if found is not None and found[0].bn == packed.bn:
         return found[0].blocking(), found[1]
+    return heuristic_blocking(k, packed.n, dt, dt_out, not _host.on_device(packed.data)), 0
+
+
+def heuristic_blocking(k, n, dt, dt_out, host=True) -> Blocking:
+    """What a call without blocking= or a stored winner runs: choose_blocking's, the row band
+    outer for bf16 weights of at most _TILE_ROWS_OUTER_BYTES on a host matrix unit."""
     bl = choose_blocking(k, dt_out)
-    if (dt == _dt.BF16 and k * packed.n * dt.itemsize <= _TILE_ROWS_OUTER_BYTES
-            and not _host.on_device(packed.data) and tpp.has_matrix_unit(dt)):
-        bl = Blocking(bl.bm, bl.kc, "BC")
-    return bl, 0
+    small = dt == _dt.BF16 and k * n * dt.itemsize <= _TILE_ROWS_OUTER_BYTES
+    return Blocking(bl.bm, bl.kc, "BC") if small and host and tpp.has_matrix_unit(dt) else bl
 
 
 def forget_tuned() -> None:

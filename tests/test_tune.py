@@ -30,6 +30,7 @@ def _fake_timing(monkeypatch, seconds):
             return cand
         return run
     monkeypatch.setattr(tune, "_runner", runner)
+    monkeypatch.setattr(tune, "_baseline", runner)      # the heuristic's run: its Candidate
     monkeypatch.setattr(tune, "_time", lambda run: seconds(run()))
 
 
@@ -209,3 +210,56 @@ def test_tpp_bench_tune_measures_the_winner_against_the_heuristic(cache_dir, mon
     assert {"tpp", "heuristic"} <= set(records)
     assert records["tpp"]["shape"] == [64, 64, 64] and "heuristic" in records["tpp"]["ratios"]
     assert {"bm", "kc", "bn", "order", "threads"} <= set(records["tpp"]["extra"]["winner"])
+
+
+def test_the_heuristic_is_what_matmul_runs_without_a_winner():
+    """Its panel width and order are pack_kn's and matmul's defaults (bf16 on a matrix unit:
+    wide panels, row blocks outer for small weights), so winners are measured against them."""
+    import tpp
+    assert tune.heuristic(300, 96, tune._dt.F32) == tune.Candidate(64, 300, 64, "CB")
+    bf16 = tune.heuristic(384, 1152, tune._dt.BF16)
+    if tpp.has_matrix_unit(tune._dt.BF16):
+        assert bf16 == tune.Candidate(64, 384, 384, "BC")
+        assert any(c.bn == 384 for c in tune.candidates(256, 1152, 384, tune._dt.BF16,
+                                                        tune._dt.BF16))
+    else:
+        assert bf16 == tune.Candidate(64, 384, 64, "CB")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((384, 1152), np.float32).astype(tune._dt.BF16.numpy)
+    assert ops.pack_kn(w).bn == bf16.bn
+
+
+def test_the_baseline_is_the_default_plan_and_ignores_stored_winners(cache_dir, monkeypatch):
+    """tune's yardstick runs ops.matmul as a call without blocking= does, stored winners
+    aside: a winner stored earlier (of the heuristic's panel width) is not measured as the
+    heuristic."""
+    winner = tune.Candidate(32, 64, 64, "BC")
+    _fake_timing(monkeypatch, lambda cand: 0.5 if cand == winner else 1.0)
+    assert tune.tune("matmul", 96, 64, 64, space=[winner]).stored
+    monkeypatch.undo()
+    monkeypatch.setenv("TPP_CACHE_DIR", str(cache_dir))
+    seen = _built_blockings(monkeypatch)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((96, 64), np.float32)
+    b = rng.standard_normal((64, 64), np.float32)
+    run = tune._baseline(a, b, None, tune._dt.F32, None, tune.heuristic(64, 64, tune._dt.F32))
+    assert seen == [matmul_module.choose_blocking(64, tune._dt.F32)]
+    np.testing.assert_allclose(run(), a @ b, rtol=1e-4, atol=1e-4)
+    assert tune.lookup(64, 64, "f32", "f32", False, None) == winner     # still stored
+
+
+def test_the_baseline_of_a_long_k_bf16_output_sums_k_in_chunks(cache_dir, monkeypatch):
+    """A bf16 output with K past matmul_longk.LONG_K runs the chunked plan by default: the
+    baseline measures that plan, not the whole-K blocking no call takes."""
+    from ops import matmul_longk
+    runs = []
+    original = matmul_longk.LongKPlan.run
+    monkeypatch.setattr(matmul_longk.LongKPlan, "run",
+                        lambda self, *args: runs.append(1) or original(self, *args))
+    k = matmul_longk.LONG_K + 2
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((4, k), np.float32).astype(tune._dt.BF16.numpy)
+    b = rng.standard_normal((k, 16), np.float32).astype(tune._dt.BF16.numpy)
+    run = tune._baseline(a, b, None, tune._dt.BF16, None, tune.heuristic(k, 16, tune._dt.BF16))
+    run()
+    assert len(runs) == 2
