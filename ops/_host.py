@@ -331,6 +331,13 @@ def temp(name: str, shape, dtype: _dt.DType, like, zero: bool = False):
     return as_torch(arr) if arrays.is_torch(like) else arr
 
 
+def fresh_or_temp(shape, dtype: _dt.DType, like, name=None, zero: bool = False):
+    """temp(name, ...) when a name is given, else a fresh array (zeros or empty)."""
+    if name is not None:
+        return temp(name, shape, dtype, like, zero)
+    return (zeros if zero else empty)(shape, dtype, like)
+
+
 # ------------------------------------------------------------ large torch outputs
 # A fresh output bigger than glibc's mmap threshold comes from mmap: its first write faults
 # every 4 KiB page in (~2 us each in a VM: 64 MB -> ~30 ms, as long as a 2-thread GEMM of

@@ -428,12 +428,9 @@ class ToBlocked:
         self.threads, self.fields = threads, fields
 
     def __call__(self, x, scratch: str | None = None) -> BlockedActivation:
-        """scratch: the name of the thread's scratch array to write (_host.temp: an
-        intermediate of the caller's call, never kept), else a fresh array."""
-        if scratch is not None:
-            xb = _host.temp(scratch, self.shape, self.dtype, x, zero=self.zeroed)
-        else:
-            xb = (_host.zeros if self.zeroed else _host.empty)(self.shape, self.dtype, x)
+        """scratch: into the thread's scratch array of that name (_host.temp), for a caller
+        that is done with it within its call; else into a fresh array."""
+        xb = _host.fresh_or_temp(self.shape, self.dtype, x, scratch, self.zeroed)
         if self.nest is not None:
             self.nest(x, xb, threads=self.threads)
         return BlockedActivation(xb, *self.fields)
@@ -505,7 +502,7 @@ def transpose_packed(wb: BlockedWeight, scratch=None) -> BlockedWeight:
     """The data gradient's packed weight (pack_weight(w, ..., transposed=True)) made from the
     forward's packed weight of the same w: one transpose per block (bf16: unpack, transpose,
     repack), where packing w afresh reads it with strides of a whole filter (see
-    pack_transposed). scratch: as pack_weight's."""
+    pack_transposed). scratch: as ToBlocked.__call__'s."""
     if not isinstance(wb, BlockedWeight) or wb.transposed:
         raise ArgumentError(f"transpose_packed: expected a forward packed weight "
                             f"(pack_weight(w, groups, dtype)), got {wb!r}")
@@ -515,8 +512,7 @@ def transpose_packed(wb: BlockedWeight, scratch=None) -> BlockedWeight:
     bc, bk = block(cg, dtype), block(kg, dtype)
     cb, kb = -(-cg // bc), -(-kg // bk)
     shape = (wb.groups * cb, kb, r, s) + ((bk // 2, 2 * bc) if dtype == _dt.BF16 else (bk, bc))
-    wbt = _host.temp(scratch, shape, dtype, wb.data) if scratch else \
-        _host.empty(shape, dtype, wb.data)
+    wbt = _host.fresh_or_temp(shape, dtype, wb.data, scratch)
     args = [wb.data, wbt]
     if dtype == _dt.BF16:
         tiles = (wb.groups * kb, cb, r, s)
@@ -535,18 +531,15 @@ def pack_transposed(w, groups, dtype, forward=None, scratch=None) -> BlockedWeig
     """pack_weight(w, groups, dtype, transposed=True), from `forward` (w's forward packed
     weight) when there is one: turning its blocks is faster than reading w with strides of a
     whole filter (2 cores, interleaved: 3x3 512 f32 0.80 against 0.97 ms, bf16 0.44-0.49
-    against 0.55-0.62; 3x3 256 f32 0.050 / 0.121, bf16 0.058 / 0.096). scratch: as
-    pack_weight's."""
-    if forward is not None:
-        return transpose_packed(forward, scratch)
-    return pack_weight(w, groups, dtype, transposed=True, scratch=scratch)
+    against 0.55-0.62; 3x3 256 f32 0.050 / 0.121, bf16 0.058 / 0.096)."""
+    return transpose_packed(forward, scratch) if forward is not None else \
+        pack_weight(w, groups, dtype, transposed=True, scratch=scratch)
 
 
 def pack_weight(w, groups, dtype, *, transposed=False, scratch=None) -> BlockedWeight:
     """w (K, C/groups, R, S) packed for the forward nest ([G*Kb][Cb][R][S][bc][bk]) or, with
     transposed=True, flipped and transposed for the data gradient ([G*Cb][Kb][R][S][bk][bc]).
-    scratch: the packed data goes to the thread's scratch array of that name (_host.temp), for
-    a caller that uses it within its call only."""
+    scratch: as ToBlocked.__call__'s."""
     k, cg, r, s = w.shape
     kg = k // groups
     bc, bk = block(cg, dtype), block(kg, dtype)
@@ -575,20 +568,14 @@ def pack_weight(w, groups, dtype, *, transposed=False, scratch=None) -> BlockedW
         _pointwise_t_nest(k, cg, groups, bk, bc, dtype)(_host.reshape(w3, (k, cg)), wb,
                                                         threads=threads)
         return BlockedWeight(wb, (k, cg, r, s), groups, True)
-    if transposed:
-        wt = _host.temp("conv_pack_rows", (groups, kgp, rs, cgp), dtype, w, zero)
-        _weight_rows_nest(k, cg, rs, groups, kgp, cgp, True, dtype)(w3, wt, threads=threads)
-        nest = _weight_blocks_nest(groups, kgp, cgp, r, s, bk, bc, True, dtype)
-        rows, cols = kgp, cgp
-    else:
-        wt = _host.temp("conv_pack_rows", (groups, cgp, rs, kgp), dtype, w, zero)
-        _weight_rows_nest(k, cg, rs, groups, kgp, cgp, False, dtype)(w3, wt, threads=threads)
-        nest = _weight_blocks_nest(groups, cgp, kgp, r, s, bc, bk, False, dtype)
-        rows, cols = cgp, kgp
+    rows, cols = (kgp, cgp) if transposed else (cgp, kgp)
     brow, bcol = (bk, bc) if transposed else (bc, bk)
+    wt = _host.temp("conv_pack_rows", (groups, rows, rs, cols), dtype, w, zero)
+    _weight_rows_nest(k, cg, rs, groups, kgp, cgp, transposed, dtype)(w3, wt, threads=threads)
+    nest = _weight_blocks_nest(groups, rows, cols, r, s, brow, bcol, transposed, dtype)
     shape = (groups * (cols // bcol), rows // brow, r, s) + \
         ((brow // 2, 2 * bcol) if dtype == _dt.BF16 else (brow, bcol))
-    wb = _host.temp(scratch, shape, dtype, w) if scratch else _host.empty(shape, dtype, w)
+    wb = _host.fresh_or_temp(shape, dtype, w, scratch)
     nest(wt, wb, threads=threads)
     return BlockedWeight(wb, (k, cg, r, s), groups, transposed)
 
