@@ -73,10 +73,11 @@ class Candidate:
     bn: int
     order: str = "CB"
     threads: int | None = None     # None: the team (tpp.get_num_threads())
+    group: int | None = None       # weight panels per group (ops.Blocking)
 
     def blocking(self):
         from .matmul import Blocking
-        return Blocking(self.bm, self.kc, self.order, self.threads)
+        return Blocking(self.bm, self.kc, self.order, self.threads, self.group)
 
 
 @dataclass
@@ -193,8 +194,9 @@ def heuristic(k: int, n: int, out_dtype, dtype=None) -> Candidate:
     from .matmul import heuristic_blocking
     from .packing import default_bn
     dtype = _dt.lookup(out_dtype if dtype is None else dtype)
-    bl = heuristic_blocking(k, n, dtype, _dt.lookup(out_dtype))
-    return Candidate(bl.bm, min(bl.kc, k), default_bn(n, _tiles(dtype), k), bl.order)
+    bn = default_bn(n, _tiles(dtype), k)
+    bl = heuristic_blocking(k, n, bn, dtype, _dt.lookup(out_dtype))
+    return Candidate(bl.bm, min(bl.kc, k), bn, bl.order, group=bl.group)
 
 
 def candidates(m: int, n: int, k: int, dtype, out_dtype) -> list:

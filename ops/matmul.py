@@ -27,7 +27,10 @@ Heuristic (`choose_blocking`, overridable with blocking=Blocking(...)): bm = 64 
 bn = the weight's panel width (64), kc = K up to 8192, else 4096-element chunks; bf16 output
 keeps K whole (a bf16 C cannot carry partial sums), except that K > 3072 runs the f32 nest in
 K chunks into an f32 buffer rounded to bf16 once (ops.matmul_longk); bf16 weights of at most
-1 MiB on a matrix unit take the row band outer (order "BC"). None of it depends on M.
+1 MiB on a matrix unit take the row band outer (order "BC"); f32 weights of several 64-column
+panels run their panels in groups of at most 512 KB (Blocking.group, ops.matmul_blocking: the
+groups outer, then the row blocks, then the group's panels, so x is read once per group).
+None of it depends on M.
 Problems under 4 MFLOP whose weight is under 1 MiB run on one thread (decided per call,
 `serial`): the team's wake-up would cost more than it saves; a larger weight is streamed by
 every core even at M = 1. A winner stored by `ops.tune` for the problem on this CPU replaces
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,84 +62,18 @@ from tpp.runtime.lru import LRU, also_clear
 from . import _host, autotune
 from . import matmul_longk as longk
 from .blocked import row_blocks, split
+from .matmul_blocking import (Blocking, as_blocking, check_blocking, choose_blocking,  # noqa: F401
+                              heuristic_blocking, panel_group)
 from .packing import PackedWeight, pack_kn, pack_nk
 
 _SERIAL_FLOPS = 4e6
 _PARALLEL_BYTES = 1 << 20   # a weight this large runs on every thread (see serial)
 _OWN_PLANS = 16             # plans a PackedWeight keeps (start over when full)
-# K per BRGEMM call: whole up to 8192, else 4096-element chunks. Each K chunk is one pass over
-# C (loaded and stored again) and one barrier of the team; the kernel streams its B panel
-# (kc x 64) from L2 or L3 either way. f32, 1 thread, Zen 4, GFLOP/s by kc (medians of 5):
-# 2048^3: 512: 91, 1024: 98-100, 2048: 104; 4096x4096x1024: 512: 88, 1024: 97, 4096: 105;
-# 1024x8192x1024: 1024: 106, 8192: 110 (OpenBLAS: 94-100).
-_WHOLE_K = 8192
-_KC = 4096
-
-
-_ORDERS = ("CB", "BC")
-# bf16 on a matrix unit with a weight of at most this many bytes: the row band outer ("BC"),
-# each block of x rows then multiplied by every panel while in L2, the weight staying in L2
-# across the row blocks. ops.linear bf16, x 4096 rows, 2 threads, Sapphire Rapids (AMX),
-# GFLOP/s CB / BC: K 384 N 1152 1751 / 1989, 384 x 384 1697 / 1836, 1536 x 384 (1.2 MB)
-# 2383 / 2429, 384 x 1536 gelu level; larger weights lose (768 x 2304: 2299 / 1636, 768 x
-# 3072 gelu 1849 / 1485), and f32 gained nothing (within -6..0%).
-_TILE_ROWS_OUTER_BYTES = 1 << 20
 # The rows past the last whole block of bm run as kernels of 8, 4, 2 and 1 rows (at most one of
 # each), not as single rows after the 8s: each kernel streams the weight's panel once for its
 # rows (from L2), so a single-row kernel ran at a third of a block's rate per row. 384 x 1536
 # f32 with bias, 2 threads: M = 70 406 -> ~380 us (M = 72: 379); M = 65 and 71 as before.
 REMAINDER_PIECES = (8, 4, 2)
-
-
-@dataclass(frozen=True)
-class Blocking:
-    bm: int                    # rows of x per BRGEMM
-    kc: int                    # K elements per BRGEMM (a chunk)
-    order: str = "CB"          # the parallel band: "CB" column panels outer, "BC" rows outer
-    threads: int | None = None  # 1: always one thread; None: the thread rule (serial)
-
-
-def choose_blocking(k: int, dtype_out: _dt.DType) -> Blocking:
-    """64 rows; K whole up to _WHOLE_K (always for a bf16 output), else chunks of _KC."""
-    if dtype_out == _dt.BF16 or k <= _WHOLE_K:
-        return Blocking(64, k)
-    return Blocking(64, _KC)
-
-
-def _as_blocking(bl):
-    """None, or bl with Python int fields >= 1 (numpy integers accepted). Run before the plan
-    lookup: Blocking(4.0, 4) and Blocking(True, 4) equal valid keys and would skip the checks."""
-    if bl is None:
-        return None
-    if not isinstance(bl, Blocking):
-        raise ArgumentError(f"blocking must be an ops.Blocking, got {bl!r}")
-    if bl.order not in _ORDERS:
-        raise ArgumentError(f"blocking.order must be one of {_ORDERS}, got {bl.order!r}")
-    if bl.threads is not None and (isinstance(bl.threads, bool) or bl.threads != 1):
-        raise ArgumentError(f"blocking.threads must be None (the thread rule) or 1, got "
-                            f"{bl.threads!r}")
-    return Blocking(_positive(bl.bm, "blocking.bm"), _positive(bl.kc, "blocking.kc"),
-                    bl.order, bl.threads)
-
-
-def _check_blocking(bl, k, dtype_out, vnni):
-    """bl (from _as_blocking or choose_blocking) with kc clamped to K, or an ArgumentError
-    if the output dtype or VNNI pairs forbid its K chunks."""
-    bl = Blocking(bl.bm, min(bl.kc, k), bl.order, bl.threads)
-    if bl.kc < k and dtype_out == _dt.BF16:
-        raise ArgumentError("blocking.kc < K needs an f32 output (partial sums would be "
-                            "rounded to bf16)")
-    if bl.kc < k and vnni and bl.kc % 2:
-        raise ArgumentError(f"blocking.kc must be even for bf16 (VNNI pairs), got {bl.kc}")
-    return bl
-
-
-def _positive(value, what):
-    """value as a Python int >= 1 (numpy integers too), else an ArgumentError."""
-    converted = checks.as_int(value)
-    if converted is None or converted < 1:
-        raise ArgumentError(f"{what} must be a positive int, got {value!r}")
-    return converted
 
 
 @functools.lru_cache(maxsize=256)
@@ -154,8 +90,16 @@ def gemm_nest(n, k, bn, dtype, dtype_out, bias, activation, bl: Blocking, keep=F
     chunks = -(-k // kc)
     k_last = k - (chunks - 1) * kc
     vnni = dtype == _dt.BF16
-    nest = tpp.LoopNest("a" + bl.order + "b" * (levels - 1), a=chunks, b=rows_loop, c=blocks_n)
-    a, r, c = nest.vars
+    sub_rows = "b" * (levels - 1)
+    if bl.group and n % bn == 0:    # panel groups outer, the row blocks, the group's panels
+        group = panel_group(bl.group, blocks_n)
+        nest = tpp.LoopNest("aCBD" + sub_rows, a=chunks, b=rows_loop, c=blocks_n // group,
+                            d=group)
+        a, r, g, d = nest.vars
+        c = g * group + d
+    else:
+        nest = tpp.LoopNest("a" + bl.order + sub_rows, a=chunks, b=rows_loop, c=blocks_n)
+        a, r, c = nest.vars
     x = nest.tensor("x", (m, k), dtype)
     w = nest.tensor("w", (blocks_n, (k + 1) // 2, 2 * bn) if vnni else (blocks_n, k, bn), dtype)
     y = nest.tensor("y", (m, n), dtype_out)
@@ -265,9 +209,9 @@ def linear_keep(x, packed, bias, activation):
     if _device_data(x):
         _host.same_device(x=x, weight=packed.data, bias=bias)
     dt = plan.dt_out
-    bl = _check_blocking(choose_blocking(k, dt), k, dt, dt == _dt.BF16)
-    nest = gemm_nest(n, k, packed.bn, packed.dtype, dt, bias is not None, activation, bl,
-                     keep=True)
+    bl = heuristic_blocking(k, n, packed.bn, packed.dtype, dt, not _device_data(x))
+    nest = gemm_nest(n, k, packed.bn, packed.dtype, dt, bias is not None, activation,
+                     check_blocking(bl, k, dt, dt == _dt.BF16), keep=True)
     z, y = _host.empty((m, n), dt, x), _host.empty((m, n), dt, x)
     # the heuristic's thread rule, as this nest has its blocking (not a tuned winner's)
     threads = 1 if m < serial_rows(n, k, k * n * packed.dtype.itemsize) else None
@@ -511,15 +455,10 @@ def _default_blocking(packed, k, dt, dt_out, has_bias, activation):
     found = autotune.lookup_with_rows(packed.n, k, dt, dt_out, has_bias, activation)
     if found is not None and found[0].bn == packed.bn:
         return found[0].blocking(), found[1]
-    return heuristic_blocking(k, packed.n, dt, dt_out, not _host.on_device(packed.data)), 0
+    return heuristic_blocking(k, packed.n, packed.bn, dt, dt_out,
+                              not _host.on_device(packed.data)), 0
 
 
-def heuristic_blocking(k, n, dt, dt_out, host=True) -> Blocking:
-    """What a call without blocking= or a stored winner runs: choose_blocking's, the row band
-    outer for bf16 weights of at most _TILE_ROWS_OUTER_BYTES on a host matrix unit."""
-    bl = choose_blocking(k, dt_out)
-    small = dt == _dt.BF16 and k * n * dt.itemsize <= _TILE_ROWS_OUTER_BYTES
-    return Blocking(bl.bm, bl.kc, "BC") if small and host and tpp.has_matrix_unit(dt) else bl
 
 
 def forget_tuned() -> None:
@@ -547,7 +486,7 @@ def _plan(a, packed, out_dtype, has_bias, activation, blocking, name) -> _Plan:
         if plan is not None and a.shape[1] == packed.k:
             return plan
     plan = _checked_plan(a.shape[1], packed, _host.dtype_of(a, name), out_dtype, has_bias,
-                         activation, _as_blocking(blocking))
+                         activation, as_blocking(blocking))
     if key is not None:
         if len(own) >= _OWN_PLANS:
             own.clear()
@@ -582,19 +521,19 @@ def _checked_plan(k, packed, dt, dt_out_arg, has_bias, activation, blocking) -> 
     n, bn = packed.n, packed.bn     # (the plans outlive the weight: not kept by make)
 
     def make(bl, out=dt_out):
-        bl = _check_blocking(bl, k, out, dt == _dt.BF16)
+        bl = check_blocking(bl, k, out, dt == _dt.BF16)
         nest = gemm_nest(n, k, bn, dt, out, has_bias, activation, bl)
         return _Plan(nest, out, n, k, k * n * dt.itemsize, single=bl.kc >= k and n <= bn,
                      serial_always=bl.threads == 1)
     if longk.wanted(k, dt_out, blocking is not None or tuned_rows > 0):
         # f32 sums over K chunks, rounded to bf16 once (ops.matmul_longk)
-        chunked = Blocking(bl.bm, longk.KC, bl.order, bl.threads)
+        chunked = Blocking(bl.bm, longk.KC, bl.order, bl.threads, bl.group)
         plan = longk.LongKPlan(make(chunked, _dt.F32), n, k, _checked_out)
     else:
         plan = make(bl)
     if tuned_rows > 1:      # fewer rows take the heuristic's plan (built on first use)
         plan.tuned_rows = tuned_rows
-        plan.fewer_rows = lambda: make(choose_blocking(k, dt_out))
+        plan.fewer_rows = lambda: make(heuristic_blocking(k, n, bn, dt, dt_out))
     if key is not None:
         _PLANS[key] = plan
     return plan
