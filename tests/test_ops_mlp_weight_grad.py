@@ -110,3 +110,40 @@ def test_f32_weight_gradient_route_follows_the_host(monkeypatch):
     for forced in (True, False):
         monkeypatch.setattr(mlp, "PACKED_F32_DW", forced)
         assert mlp.packed_f32_dw() is forced
+
+
+@pytest.mark.parametrize("m,n,k,dtype,in_place", [
+    (130, 256, 96, "f32", True),       # x in place (384-byte rows), one partial step
+    (2100, 200, 90, "f32", False),     # two whole steps, rank-1 rows, a narrow last row block
+    (1100, 260, 1024, "f32", False),   # 4 KiB rows (packed), a step of one block
+    (130, 256, 96, "bf16", False),     # bf16: VNNI-packed x
+    (1100, 260, 70, "bf16", False),
+])
+def test_fused_transposes_match_weight_grad(m, n, k, dtype, in_place, monkeypatch):
+    """From FUSED_ROW_BLOCKS blocks of dw rows the nest transposes dz's blocks itself (x read
+    in place where in_place_rows allows): the same sums in the same order as weight_grad."""
+    mlp = importlib.import_module("ops.mlp")
+    used = []
+    real = mlp._fused_grad_nest
+    monkeypatch.setattr(mlp, "_fused_grad_nest", lambda *a: used.append(a) or real(*a))
+    rng = np.random.default_rng(m + n + k)
+    npdt = tpp.core.dtypes.lookup(dtype).numpy
+    dz = rng.standard_normal((m, n)).astype(np.float32).astype(npdt)
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(npdt)
+    got = mlp.weight_grad_packed(dz, x)
+    assert used and used[-1][-1] is in_place
+    want = mlp.weight_grad(dz, x)
+    if dtype == "f32":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                   rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(mlp.weight_grad_packed(dz, x), got)   # scratch reused
+
+
+def test_in_place_rows_rule():
+    mlp = importlib.import_module("ops.mlp")
+    f32, bf16 = tpp.core.dtypes.F32, tpp.core.dtypes.BF16
+    assert mlp.in_place_rows(384, f32) and mlp.in_place_rows(96, f32)
+    assert not mlp.in_place_rows(1536, f32) and not mlp.in_place_rows(1024, f32)
+    assert not mlp.in_place_rows(90, f32) and not mlp.in_place_rows(384, bf16)
