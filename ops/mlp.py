@@ -10,7 +10,8 @@ tile in the same nest, right after the tile's BRGEMM (ops.matmul.linear_keep).
 Backward, with dz = act_inv(dy, z) (the activation's backward TPP):
     dx = dz @ w              BRGEMM nest over w packed as a (N, K) right operand
     dw = dz.T @ x            host arrays of 64+ rows: one GEMM over packed operands (dz's
-                             64-row blocks transposed, x in 64 x 64 tiles; weight_grad_packed);
+                             64-row blocks transposed, inside its nest for 4+ blocks of dw
+                             rows; x in 64 x 64 tiles or in place; weight_grad_packed);
                              else a BRGEMM nest reading dz transposed (trans_a) and x as it is
     db = dz.sum(axis=0)      a BRGEMM nest of a ones row by dz (ops.blocked.column_sums)
 x (M, K) and w (N, K) are f32, or bf16 (f32 accumulation, bf16 results, as torch does). Every
