@@ -116,11 +116,6 @@ MATMUL_CASES = [
     (40, 30, 130, "f32", None, False, None, ops.Blocking(16, 100)),  # first + last, no middle
     (19, 66, 131, "bf16", "f32", True, "sigmoid", ops.Blocking(5, 64)),  # bf16, odd last chunk
     (20, 10, 30, "bf16", None, False, None, ops.Blocking(1000, 1000)),   # bm > M: remainder kernels only; kc clamped to K
-    (130, 256, 100, "f32", None, True, "gelu", None),        # the default: one group of 4 panels
-    (70, 384, 1100, "f32", None, False, None, ops.Blocking(64, 512, group=2)),  # 3 groups, chunks
-    (65, 320, 70, "f32", None, True, "relu", ops.Blocking(8, 70, group=4)),  # 5 panels: groups of 1
-    (50, 200, 64, "f32", None, True, None, ops.Blocking(64, 64, group=2)),   # a narrow last panel: ungrouped
-    (33, 256, 67, "bf16", "f32", True, None, ops.Blocking(16, 67, group=2)),  # bf16, odd K, grouped
 ]
 
 
@@ -192,21 +187,6 @@ def test_matmul_hypothesis(m, n, k, kind, act, has_bias, seed):
     a, b, bias = _problem(seed, m, n, k, dtype, dt_out if has_bias else None)
     y = ops.matmul(a, b, bias=bias, activation=act, out_dtype=dt_out)
     _assert_gemm(y, a, b, bias, act, dt_out)
-
-
-def test_heuristic_blocking_groups_f32_panels():
-    """f32 weights in equal groups of panels of at most GROUP_BYTES; a narrow last panel, a
-    single panel or bf16 ungrouped."""
-    from ops.matmul_blocking import GROUP_BYTES, heuristic_blocking
-    f32, bf = tpp.F32, tpp.BF16
-    assert GROUP_BYTES == 512 << 10
-    assert heuristic_blocking(384, 1152, 64, f32, f32) == ops.Blocking(64, 384, group=3)
-    assert heuristic_blocking(384, 384, 64, f32, f32) == ops.Blocking(64, 384, group=3)
-    assert heuristic_blocking(1536, 384, 64, f32, f32) == ops.Blocking(64, 1536, group=1)
-    assert heuristic_blocking(100, 256, 64, f32, f32) == ops.Blocking(64, 100, group=4)
-    assert heuristic_blocking(100, 200, 64, f32, f32) == ops.Blocking(64, 100)
-    assert heuristic_blocking(100, 64, 64, f32, f32) == ops.Blocking(64, 100)
-    assert heuristic_blocking(384, 1152, 64, bf, bf).group is None
 
 
 def test_choose_blocking():
@@ -534,8 +514,6 @@ ERRORS = [
     ("kc negative", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=ops.Blocking(4, -1)), "blocking.kc must be a positive int, got -1"),
     ("bm float", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=ops.Blocking(4.0, 4)), "blocking.bm must be a positive int, got 4.0"),
     ("kc bool", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=ops.Blocking(4, True)), "blocking.kc must be a positive int, got True"),
-    ("group 0", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=ops.Blocking(4, 4, group=0)), "blocking.group must be a positive int, got 0"),
-    ("group float", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=ops.Blocking(4, 4, group=2.5)), "blocking.group must be a positive int, got 2.5"),
     ("blocking tuple", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=(4, 4)), r"blocking must be an ops.Blocking, got \(4, 4\)"),
     ("blocking list", lambda: ops.matmul(_f(5, 7), _f(7, 3), blocking=[4, 4]), r"blocking must be an ops.Blocking, got \[4, 4\]"),
     ("kc < K, bf16 out", lambda: ops.matmul(_b(5, 8), _b(8, 3), blocking=ops.Blocking(4, 4)), "blocking.kc < K needs an f32 output"),
