@@ -317,25 +317,18 @@ def scratch(name: str, shape, dtype: _dt.DType) -> np.ndarray:
 also_clear(lambda: _SCRATCH.__dict__.pop("arrays", None))
 
 
-def temp(name: str, shape, dtype: _dt.DType, like, zero: bool = False):
+def temp(name, shape, dtype: _dt.DType, like, zero: bool = False):
     """An intermediate of one call, of like's kind: for host data this thread's scratch
-    `name` (its rules: valid until the thread asks for `name` again), on a device a fresh
-    array; zeroed when asked. A large temporary made fresh on every call page-faults in on
-    every call once glibc has trimmed the heap or unmapped the block (1000-1500 faults per
-    call, 11 -> 20-28 ms, a conv backward of 3x3 512 @7 f32 in a VM)."""
-    if on_device(like):
+    `name` (its rules: valid until the thread asks for `name` again), on a device or with
+    name None a fresh array; zeroed when asked. A large temporary made fresh on every call
+    page-faults in on every call once glibc has trimmed the heap or unmapped the block
+    (1000-1500 faults per call, 11 -> 20-28 ms, a conv backward of 3x3 512 @7 f32 in a VM)."""
+    if name is None or on_device(like):
         return (zeros if zero else empty)(shape, dtype, like)
     arr = scratch(name, shape, dtype)
     if zero:
         arr.fill(0)
     return as_torch(arr) if arrays.is_torch(like) else arr
-
-
-def fresh_or_temp(shape, dtype: _dt.DType, like, name=None, zero: bool = False):
-    """temp(name, ...) when a name is given, else a fresh array (zeros or empty)."""
-    if name is not None:
-        return temp(name, shape, dtype, like, zero)
-    return (zeros if zero else empty)(shape, dtype, like)
 
 
 # ------------------------------------------------------------ large torch outputs

@@ -430,7 +430,7 @@ class ToBlocked:
     def __call__(self, x, scratch: str | None = None) -> BlockedActivation:
         """scratch: into the thread's scratch array of that name (_host.temp), for a caller
         that is done with it within its call; else into a fresh array."""
-        xb = _host.fresh_or_temp(self.shape, self.dtype, x, scratch, self.zeroed)
+        xb = _host.temp(scratch, self.shape, self.dtype, x, self.zeroed)
         if self.nest is not None:
             self.nest(x, xb, threads=self.threads)
         return BlockedActivation(xb, *self.fields)
@@ -512,7 +512,7 @@ def transpose_packed(wb: BlockedWeight, scratch=None) -> BlockedWeight:
     bc, bk = block(cg, dtype), block(kg, dtype)
     cb, kb = -(-cg // bc), -(-kg // bk)
     shape = (wb.groups * cb, kb, r, s) + ((bk // 2, 2 * bc) if dtype == _dt.BF16 else (bk, bc))
-    wbt = _host.fresh_or_temp(shape, dtype, wb.data, scratch)
+    wbt = _host.temp(scratch, shape, dtype, wb.data)
     args = [wb.data, wbt]
     if dtype == _dt.BF16:
         tiles = (wb.groups * kb, cb, r, s)
@@ -575,7 +575,7 @@ def pack_weight(w, groups, dtype, *, transposed=False, scratch=None) -> BlockedW
     nest = _weight_blocks_nest(groups, rows, cols, r, s, brow, bcol, transposed, dtype)
     shape = (groups * (cols // bcol), rows // brow, r, s) + \
         ((brow // 2, 2 * bcol) if dtype == _dt.BF16 else (brow, bcol))
-    wb = _host.fresh_or_temp(shape, dtype, w, scratch)
+    wb = _host.temp(scratch, shape, dtype, w)
     nest(wt, wb, threads=threads)
     return BlockedWeight(wb, (k, cg, r, s), groups, transposed)
 

@@ -373,9 +373,9 @@ def _fused_grad_nest(n, k, bn, dtype, in_place):
     reuse them from cache; x in place (lda k) or packed (xp, as _blocks_x_nest writes it)."""
     m = tpp.size("M")
     vnni = dtype == _dt.BF16
-    rows_, cols_ = blocked.ROWS, bn
+    rows_ = blocked.ROWS
     row_cases, row_blocks = blocked.split(n, rows_)
-    col_cases, kb = blocked.split(k, cols_)
+    col_cases, kb = blocked.split(k, bn)
     full, subs = m // _TB * _TB, _STEP // _TB
     nest = tpp.LoopNest("aBcd", a=tpp.Loop(0, full, _STEP), b=row_blocks, c=kb, d=subs)
     s, i, j, t = nest.vars
