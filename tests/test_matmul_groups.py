@@ -7,7 +7,7 @@ import ops
 import tpp
 from tpp.core.errors import ArgumentError
 
-from test_ops_matmul import _assert_gemm, _np, _problem
+from test_ops_matmul import test_matmul_matches_numpy as _matches_numpy
 
 # (m, n, k, dtype, out_dtype, bias, activation, blocking)
 CASES = [
@@ -21,11 +21,7 @@ CASES = [
 
 @pytest.mark.parametrize("m,n,k,dtype,out_dtype,has_bias,act,blocking", CASES)
 def test_grouped_panels_match_numpy(m, n, k, dtype, out_dtype, has_bias, act, blocking):
-    dt_out = out_dtype or dtype
-    a, b, bias = _problem(m * 7919 + n * 31 + k, m, n, k, dtype, dt_out if has_bias else None)
-    y = ops.matmul(a, b, bias=bias, activation=act, out_dtype=out_dtype, blocking=blocking)
-    assert isinstance(y, np.ndarray) and y.dtype == _np(dt_out) and y.shape == (m, n)
-    _assert_gemm(y, a, b, bias, act, dt_out)
+    _matches_numpy(m, n, k, dtype, out_dtype, has_bias, act, blocking)
 
 
 @pytest.mark.parametrize("group", [0, -1, 2.5, True])
