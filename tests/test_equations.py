@@ -299,11 +299,14 @@ def test_softmax_down_the_columns_keeps_exp_and_matches_numpy(m, n):
     assert kept < recomputed
 
 
-def _schedule(k):
-    """The generator of k's spec after generating it (its schedule flags)."""
+def _schedule(k, **target):
+    """The generator of k's spec after generating it (its schedule flags), for the current
+    target with the given fields replaced."""
+    import dataclasses
+
     import tpp_cpu.equation as gen
     from tpp_cpu.target import current
-    g = gen._Gen(k.spec, current(), "probe")
+    g = gen._Gen(k.spec, dataclasses.replace(current(), **target), "probe")
     g.generate()
     return g
 
@@ -374,7 +377,7 @@ def test_folded_column_sum_of_a_transcendental_beside_a_row_reduction(m, n, prim
 def test_rowwise_second_pass_prefetches_the_next_row(m, n):
     """A rowwise kernel whose second pass does PREFETCH_OPS or more block operations per vector
     prefetches the next row's inputs there (past the last row too: a prefetch never faults);
-    a cheap second pass does not. Results as numpy's."""
+    a cheap second pass does not, except on eager_prefetch targets. Results as numpy's."""
     eq = tpp.equation(m, n)
     x, dy, w = eq.input("x"), eq.input("dy"), eq.input("w", bcast="row")
     g = dy * w
@@ -384,14 +387,19 @@ def test_rowwise_second_pass_prefetches_the_next_row(m, n):
     x2 = eq2.input("x")
     cheap = eq2.compile(x2 - eq2.sum(x2, axis=1))
     assert _schedule(heavy).prefetching and "prefetcht0" in heavy.dump("asm")
-    plan = _schedule(cheap)
+    plan = _schedule(cheap, eager_prefetch=False)
     assert not plan.prefetching
+    assert _schedule(cheap, eager_prefetch=True).prefetching == (not plan.pipelining)
+    assert _schedule(heavy, eager_prefetch=True).prefetching
+    eager = _schedule(cheap).eager_prefetch
     if not plan.pipelining:      # (a pipelined one-input kernel prefetches rows ahead instead)
-        assert "prefetch" not in cheap.dump("asm")
+        assert ("prefetch" in cheap.dump("asm")) == eager
     xa, dya, wa = _rand(m, n), _rand(m, n), _rand(n)
     ga = dya * wa
     sa = (ga.astype(np.float64) * xa).sum(1, keepdims=True)
     np.testing.assert_allclose(heavy(x=xa, dy=dya, w=wa), (ga - sa * xa) * xa + ga * 0.5,
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cheap(x=xa), xa - xa.astype(np.float64).sum(1, keepdims=True),
                                rtol=1e-4, atol=1e-4)
 
 

@@ -35,10 +35,11 @@ class Target:
     masked_lanes: bool = False   # per-lane predication of loads/stores at any element width
     amx: bool = False            # AMX tiles with bf16 dot products (tpp_cpu.amx, brgemm_amx)
     streaming_stores: bool = True    # non-temporal vector stores
+    eager_prefetch: bool = False     # software prefetch of the next rows pays in light passes
 
     def key(self) -> str:
         return (f"{self.isa}|lanes={self.lanes}|cpu={self.cpu}|{self.features}|host={self.host}"
-                + ("|amx" if self.amx else ""))
+                + ("|amx" if self.amx else "") + ("|eager_prefetch" if self.eager_prefetch else ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,12 +97,37 @@ def make_target(isa: str) -> Target:
     if isa == native:
         if isa == "avx512":
             return Target(isa, 16, True, _fingerprint(), bf16_dot="avx512bf16" in flags,
-                          **_AVX512, amx=_amx_usable(flags))
-        return Target(isa, 8, True, _fingerprint(), **_AVX2)
+                          **_AVX512, amx=_amx_usable(flags), eager_prefetch=_eager_prefetch())
+        return Target(isa, 8, True, _fingerprint(), **_AVX2, eager_prefetch=_eager_prefetch())
     if isa == "avx2":   # an AVX-512 host generating AVX2 code
-        return Target("avx2", 8, True, _fingerprint(), features="-avx512f", **_AVX2)
+        return Target("avx2", 8, True, _fingerprint(), features="-avx512f", **_AVX2,
+                      eager_prefetch=_eager_prefetch())
     # AVX-512 code for a host that cannot run it: Zen 4, the design's reference machine
     return Target("avx512", 16, False, "none", cpu="znver4", bf16_dot=True, **_AVX512)
+
+
+@functools.lru_cache(maxsize=None)
+def host_vendor() -> str:
+    """The CPU's vendor string from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""
+    where that file does not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read(1 << 16)
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def _eager_prefetch() -> bool:
+    """Whether the equations' rowwise passes prefetch the rows ahead even when they compute
+    little (tpp_cpu.equation, Prefetch): on Intel's cores, as measured on a Sapphire Rapids
+    (4096 x 1024 f32, one thread: LayerNorm forward 1.70 -> 1.39 ms, RMSNorm forward 1.47 ->
+    1.36, softmax backward 2.35 -> 1.96); AMD's Zen cores lost 5-10 % with it."""
+    return host_vendor() == "GenuineIntel"
 
 
 def _amx_usable(flags) -> bool:
