@@ -170,19 +170,38 @@ def _load_plugins(summary):
             summary.notes.append(f"ops.torch_hf not loaded: {exc}")
 
 
-def optimize(model: torch.nn.Module, *, inplace: bool = False, report: bool = False):
+def optimize(model: torch.nn.Module, *, inplace: bool = False, report: bool = False,
+             skip_padding: bool = False):
     """model with every module a converter serves replaced by its TPP version (see the
     module docstring). Returns the model (a converted deep copy unless inplace=True), or
-    (model, Summary) with report=True."""
+    (model, Summary) with report=True. skip_padding=True: converted modules that can (the
+    BERT-family layers) skip the padding tokens of a padded batch and output zeros there
+    (ops.torch_hf_packed)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"optimize takes a torch.nn.Module, got {type(model).__name__}")
+    if type(skip_padding) is not bool:
+        raise TypeError(f"skip_padding must be True or False, got {skip_padding!r}")
     summary = Summary()
     _load_plugins(summary)
     if not inplace:
         model = copy.deepcopy(model)
     done: dict = {}             # id(old module) -> new module (or the old one: kept)
     root = _walk(model, "", summary, done)
+    _set_skip_padding(root, skip_padding, summary)
     return (root, summary) if report else root
+
+
+def _set_skip_padding(root, on, summary):
+    """Set the skip_padding option on every module of root whose class declares it (a class
+    attribute _tpp_skip_padding); noted in the summary when on."""
+    served = 0
+    for m in root.modules():
+        if hasattr(type(m), "_tpp_skip_padding"):
+            m._tpp_skip_padding = on
+            served += 1
+    if on:
+        summary.notes.append(f"skip_padding: {served} module(s) skip padding tokens "
+                             f"(their outputs are zero there)")
 
 
 def _walk(module, path, summary, done):

@@ -71,12 +71,12 @@ import functools
 import importlib
 import inspect
 import types
-import weakref
 
 import torch
 
 import ops as _ops
 from ops import _host
+from ops.torch_hf_packed import reduced_mask
 from ops._host import wants_grad as _wants_grad
 
 __all__ = ["CONVERTERS", "register", "SelfAttentionMixin", "IntermediateMixin", "OutputMixin",
@@ -311,36 +311,6 @@ class _SplitHeads(torch.autograd.Function):
         return out.view(-1, 3 * heads * dh), None, None, None
 
 
-_MASK_CACHE: list = [None]      # (weakref to the model's mask, its version, the reduced mask)
-
-
-def _reduced_mask(mask, b, length):
-    """The attention mask for the operator: None, or a tensor broadcastable to (B, H, L, S);
-    a (.., L, S) mask whose query rows are all equal (a padding mask) becomes its key row
-    (.., 1, S). False where the fused path does not take it. The last reduction is cached
-    (every layer gets the same mask tensor)."""
-    if mask is None:
-        return None
-    if not (type(mask) is torch.Tensor and mask.layout is torch.strided and mask.is_cpu
-            and not mask.requires_grad and mask.dim() in (2, 3, 4)):
-        return False
-    inference = mask.is_inference()     # no version counter: reduced afresh, never cached
-    cached = _MASK_CACHE[0]
-    if not inference and cached is not None and cached[0]() is mask \
-            and cached[1] == mask._version:
-        return cached[2]
-    m = mask
-    if m.dim() >= 2 and m.shape[-2] > 1 and m.shape[-2] == length:
-        if m.stride(-2) == 0 or bool((m == m[..., :1, :]).all()):
-            m = m[..., :1, :]
-    if not inference:
-        try:
-            _MASK_CACHE[0] = (weakref.ref(mask), mask._version, m)
-        except TypeError:
-            pass
-    return m
-
-
 # the cache argument's names: past_key_values in transformers 5.0-5.23, cache from 5.24
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
 _SELF_ATTENTION_SIGNATURES = tuple(("hidden_states", "attention_mask", cache)
@@ -396,7 +366,10 @@ class SelfAttentionMixin(_Converted):
             return super().forward(hidden_states, attention_mask, *cache, **kwargs)
         return out, None
 
-    def _fused(self, x, mask, kwargs):
+    def _fused(self, x, mask, kwargs, packed=None):
+        """The block's output, or None where the fused path does not serve. packed: the
+        ops.torch_hf_packed.Packing of a (B, L) batch when x (1, T, E) holds its T attended
+        tokens; the result is then (1, T, E) too."""
         if kwargs.get("output_attentions") or \
                 any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return None
@@ -418,12 +391,14 @@ class SelfAttentionMixin(_Converted):
         if _host.torchs_to_dispatch((x, *params)):
             return None
         b, length, e_in = x.shape
-        if not (b and length) or e_in != wq.shape[1]:
+        if not (b and length) or e_in != wq.shape[1] or (packed and not self.fused_qkv):
             return None
+        if packed:
+            b, length = packed.b, packed.length
         p = drop.p if self.training else 0.0
         if not 0.0 <= p < 1.0:
             return None
-        mask = _reduced_mask(mask, b, length)
+        mask = reduced_mask(mask, b, length)
         if mask is False:
             return None
         heads, e = self.num_attention_heads, self.all_head_size
@@ -432,7 +407,9 @@ class SelfAttentionMixin(_Converted):
         scaled_dot_product_attention = _late().sdpa
         if self.fused_qkv:
             qkv = self._qkv(x2, weights, grad)
-            if grad:
+            if packed:
+                qh, kh, vh = packed.heads(qkv, heads)
+            elif grad:
                 qh, kh, vh = _SplitHeads.apply(qkv, b, length, heads)
             else:
                 qh, kh, vh = _split_heads(qkv, b, length, heads)
@@ -441,7 +418,7 @@ class SelfAttentionMixin(_Converted):
                           for n, lin in (("query", q), ("key", k), ("value", v)))
         o = scaled_dot_product_attention(qh, kh, vh, mask, p, False,
                                          scale=getattr(self, "scaling", None)).permute(0, 2, 1, 3)
-        return _host.contiguous(o).view(b, length, e)
+        return packed.merge(o) if packed else _host.contiguous(o).view(b, length, e)
 
     def _qkv(self, x2, weights, grad):
         """x2 @ [Wq; Wk; Wv]^T + [bq; bk; bv] as one GEMM; weights: the (weight, bias) pairs

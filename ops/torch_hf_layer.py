@@ -36,6 +36,7 @@ import sys
 import torch
 
 from ops import replay
+from ops import torch_hf_packed as _packing
 from ops.torch_hf import (IntermediateMixin, OutputMixin, SelfAttentionMixin, _cannot_serve,
                           _children, _Converted, _params, _swap)
 from ops.torch_hf import register as _register_converters
@@ -85,9 +86,11 @@ class LayerMixin(_Converted):
     converted ones without hooks, the attention the class seen at conversion, no
     feed-forward chunking, no cross-attention inputs and no cache; every other call, and one
     whose self-attention block declines (output_attentions, a head mask, ...), runs the
-    original forward."""
+    original forward. With _tpp_skip_padding (optimize's skip_padding) and a padding mask,
+    the blocks run on the attended tokens only and the padding positions come out zero."""
 
     _tpp_attention_class = None
+    _tpp_skip_padding = False   # optimize(..., skip_padding=True): see ops.torch_hf_packed
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, *cache, **kwargs):
@@ -127,7 +130,15 @@ class LayerMixin(_Converted):
             return None
         if _live_hooks(att, sa, so, inter, out):
             return None
-        a = sa._fused(x, mask, kwargs)
+        packed = None
+        if self._tpp_skip_padding and x.dim() == 3:
+            b, length = x.shape[:2]
+            packed = _packing.packing(_packing.reduced_mask(mask, b, length), b, length)
+        if packed is None:
+            a = sa._fused(x, mask, kwargs)
+        else:       # the attended tokens only (ops.torch_hf_packed)
+            x = packed.gather(x)
+            a = sa._fused(x, mask, kwargs, packed)
         if a is None:
             return None
         # past the attention, a block that declines runs its original forward (what the
@@ -137,7 +148,9 @@ class LayerMixin(_Converted):
             h = so._tpp_base.forward(so, a, x)
         i = inter.forward(h)
         y = out._fused(i, h)
-        return out._tpp_base.forward(out, i, h) if y is None else y
+        if y is None:
+            y = out._tpp_base.forward(out, i, h)
+        return y if packed is None else packed.scatter(y)
 
 
 def _live_hooks(*modules) -> bool:
