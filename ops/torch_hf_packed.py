@@ -15,8 +15,10 @@ computation's (the same operators on the same rows, to rounding); what differs i
 positions' output, which a model that pools with its mask (sentence-transformers' mean
 pooling, [CLS] pooling) never reads. The gradients of the parameters and of the inputs are the
 padded computation's wherever the loss does not read padding positions.
-all-MiniLM-L6-v2, B32 L128 (2261 attended tokens of 4096), 2 threads, f32 against torch eager:
-inference 1.11x -> 1.87x, training step 1.41x -> 1.96x (bf16 inference 1.30x -> 1.62x).
+all-MiniLM-L6-v2, B32 L128 (2261 attended tokens of 4096), 2 threads, Sapphire Rapids, f32
+against torch eager: inference 1.11x -> 1.49-1.87x, training step 1.41x -> 1.90-1.96x (bf16
+inference 1.06x -> 1.20-1.62x; its training step level: attention, still padded, and these
+moves' ~200 slice copies a layer weigh more there).
 
 A padding mask is one whose query rows are all equal (reduced_mask gives its key row, (B or 1,
 1, 1, L)): bool (True: attend) or float with every value either 0 (attend) or at most half the

@@ -20,6 +20,9 @@ Cases (time per call, ms; record extra: sequences_per_s, tokens):
   train step     train mode (the model's dropout 0.1 on), forward on the padded batch, loss
                  = mean of the squared mean-pooled embeddings, backward, torch.optim.AdamW
                  step (lr 1e-5); each provider trains its own copy of the model
+  infer padded skip, train step skip
+                 the same with tpp = ops.torch.optimize(model, skip_padding=True): the
+                 layers skip the padding tokens (zeros there; ops.torch_hf_packed)
   encoder fwd    torch.nn.TransformerEncoderLayer(768, 12, 3072, activation="gelu",
                  batch_first=True) (BERT's post-norm layer), eval mode under torch.no_grad()
                  (torch takes its fused fast path, torch._transformer_encoder_layer_fwd) on
@@ -136,7 +139,8 @@ def _run_minilm(ctx):
         except Exception as exc:  # noqa: BLE001 - a broken conversion must not stop the run
             ctx.failed(f"model {dtype} load/optimize", exc)
             continue
-        for case in ("infer padded", "infer varlen", "train step"):
+        for case in ("infer padded", "infer padded skip", "infer varlen", "train step",
+                     "train step skip"):
             _run_case(ctx, case, dtype, models, padded, singles, (batch, length), tokens, n,
                       times)
 
@@ -147,7 +151,8 @@ def _models(transformers, path, dtype):
     import ops.torch
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = transformers.AutoModel.from_pretrained(path).to(tdt).eval()
-    return {"torch": model, "tpp": ops.torch.optimize(model)}
+    return {"torch": model, "tpp": ops.torch.optimize(model),
+            "tpp skip": ops.torch.optimize(model, skip_padding=True)}
 
 
 def _infer(model, batch):
@@ -187,13 +192,13 @@ def _run_case(ctx, case, dtype, models, padded, singles, shape, tokens, n, times
     label = f"model {case} {dtype} {'x'.join(map(str, shape))}"
     steps = {}
     for provider in _providers(ctx):
-        m = models[provider]
-        steps[provider] = (_train(m, padded) if case == "train step" else
+        m = models["tpp skip" if provider == "tpp" and case.endswith(" skip") else provider]
+        steps[provider] = (_train(m, padded) if case.startswith("train step") else
                            _infer_each(m, singles) if case == "infer varlen" else
                            _infer(m, padded))
 
     def check(first):
-        return None if case == "train step" else \
+        return None if case.startswith("train step") else \
             _verify(ctx, label, dtype, first, padded, singles, case)
     measured = _alternate(ctx, label, steps, n, check)
     if measured is not None:
