@@ -85,11 +85,11 @@ class Packing:
 
     def pack(self, x):
         """x (b, length, *rest) -> (T, *rest): the attended tokens' rows."""
-        return _Pack.apply(x, self) if x.requires_grad else _pack(x, self)
+        return _Move.apply(x, self, _pack, _unpack) if x.requires_grad else _pack(x, self)
 
     def unpack(self, t):
         """t (T, *rest) -> (b, length, *rest): t's rows at their tokens, zeros at the padding."""
-        return _Unpack.apply(t, self) if t.requires_grad else _unpack(t, self)
+        return _Move.apply(t, self, _unpack, _pack) if t.requires_grad else _unpack(t, self)
 
     def gather(self, x):
         """x (b, length, E) -> (1, T, E)."""
@@ -144,26 +144,17 @@ def _heads_grad(g, p):
     return out.view(p.tokens, 3 * heads * dh)
 
 
-class _Pack(torch.autograd.Function):
+class _Move(torch.autograd.Function):
+    """A move (_pack or _unpack) whose backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, p):
-        ctx.p = p
-        return _pack(x, p)
+    def forward(ctx, x, p, move, back):
+        ctx.p, ctx.back = p, back
+        return move(x, p)
 
     @staticmethod
     def backward(ctx, g):
-        return _unpack(g, ctx.p), None
-
-
-class _Unpack(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, p):
-        ctx.p = p
-        return _unpack(t, p)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _pack(g, ctx.p), None
+        return ctx.back(g, ctx.p), None, None, None
 
 
 class _Heads(torch.autograd.Function):
