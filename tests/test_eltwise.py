@@ -191,3 +191,22 @@ def test_large_outputs_take_the_streaming_path_correctly(pad):
     assert (big[n:] == 7.0).all() and (big[:n, n:] == 7.0).all()
     if pad == 0:
         assert "vmovntps" in k.dump("asm")
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("op,n,heavy", [("gelu", 1024, True), ("gelu_inv", 100, True),
+                                        ("exp", 16, True), ("relu", 1024, False),
+                                        ("gelu", 7, False)])
+def test_heavy_maps_prefetch_rows_ahead_on_eager_targets(op, n, heavy, eager):
+    """A map of irx.MAP_PREFETCH_OPS vector operations or more (a transcendental) prefetches
+    its block inputs at least irx.MAP_AHEAD_BYTES ahead where the target asks for eager
+    prefetch (Intel's cores); a light one, a block without full vectors (7 columns) or a
+    target without eager prefetch does not. (Results: every test above, on this host's
+    target.)"""
+    import dataclasses
+
+    from tpp_cpu import eltwise
+    from tpp_cpu.target import current
+    spec = tpp.unary(op, 9, n).spec
+    module = eltwise.generate(spec, dataclasses.replace(current(), eager_prefetch=eager), "p")
+    assert ("llvm.prefetch" in str(module)) == (heavy and eager)

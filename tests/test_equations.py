@@ -403,6 +403,30 @@ def test_rowwise_second_pass_prefetches_the_next_row(m, n):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m,n", [(1, 16), (3, 37), (9, 1024), (40, 128)])
+@pytest.mark.parametrize("eager", [True, False])
+def test_heavy_map_prefetches_rows_ahead_on_eager_targets(m, n, eager):
+    """A kernel without reductions whose pass does MAP_PREFETCH_OPS operations per vector or
+    more (bias + gelu) prefetches its block inputs MAP_AHEAD_BYTES ahead on eager_prefetch
+    targets (past the last row too: a prefetch never faults); a light one (an add) never
+    does. Results as numpy's, the broadcast row input not prefetched."""
+    import math
+    eq = tpp.equation(m, n)
+    x, bias = eq.input("x"), eq.input("b", bcast="row")
+    heavy = eq.compile(eq.gelu(x + bias))
+    eq2 = tpp.equation(m, n)
+    light = eq2.compile(eq2.input("x") + eq2.input("b", bcast="row"))
+    assert _schedule(heavy, eager_prefetch=eager).prefetching == eager
+    assert not _schedule(light, eager_prefetch=eager).prefetching
+    if _schedule(heavy).eager_prefetch:
+        assert "prefetch" in heavy.dump("asm") and "prefetch" not in light.dump("asm")
+    xa, ba = _rand(m, n), _rand(n)
+    v = xa.astype(np.float64) + ba
+    exact = 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+    np.testing.assert_allclose(heavy(x=xa, b=ba), exact, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(light(x=xa, b=ba), v, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("m,n", [(3, 1024), (4, 1000), (5, 300), (9, 1024), (33, 517)])
 def test_pipelined_rows_match_the_plain_schedule(m, n, monkeypatch):
     """Rows of a one-at-a-time rowwise kernel with a heavy pass (PIPE_OPS operations or more:

@@ -15,6 +15,8 @@ map. Outputs not aligned to 16 bytes take the ordinary loop. Inputs not at 64-by
 inputs or more (irx.by_input_alignment): 4096 x 1024 f32 add from numpy's boundaries, one
 thread: 58-60 -> 82-83 GB/s. Maps of one input (relu, gelu, exp) measured level misaligned,
 and exp 5 % slower as halves: they load whole vectors.
+A heavy map (gelu: irx.MAP_PREFETCH_OPS operations per vector or more) prefetches its block
+inputs rows ahead on eager_prefetch targets, as the equations do (tpp_cpu.equation, Prefetch).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def generate(spec, target, symbol: str) -> ir.Module:
             hoisted[k] = irx.to_f32(b, irx.splat(b, value, lanes), op.dtype)
 
     halves = [False]       # loads as halves (irx.by_input_alignment chooses)
+    prefetching = (target.eager_prefetch and full > 0
+                   and mapops.vector_ops(info, spec.params) >= irx.MAP_PREFETCH_OPS)
 
     def chunk(row, col, count, streaming=False):
         w = lanes
@@ -53,6 +57,10 @@ def generate(spec, target, symbol: str) -> ir.Module:
             if op.layout == "block":
                 value = irx.load_f32(b, ptrs[k], b.add(b.mul(row, i64(op.ld)), col),
                                      op.dtype, w, count, halves=halves[0])
+                if prefetching and count is None:
+                    ahead = b.add(row, i64(irx.map_rows_ahead(op.ld * op.dtype.itemsize)))
+                    irx.prefetch(b, ptrs[k], b.add(b.mul(ahead, i64(op.ld)), col),
+                                 irx.storage_type(op.dtype))
             elif op.layout == "row":
                 value = irx.load_f32(b, ptrs[k], col, op.dtype, w, count)
             elif op.layout == "col":

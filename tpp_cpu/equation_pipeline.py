@@ -8,9 +8,8 @@ reductions, level, down, kept_stages, streams, prefetching)."""
 from __future__ import annotations
 
 from tpp.core import expr as X
-from tpp.core import mathlib
 
-from . import irx
+from . import expr_llvm, irx
 from .irx import i64
 
 PIPE_PREFETCH = 2         # the pipelined loop prefetches this many rows ahead of pass 1 (0: none)
@@ -40,18 +39,8 @@ class Pipelining:
         backward, whose dweight and dbias terms are a multiply each)."""
         most = 0
         for _, inside in self.pass_nodes(folded=False):
-            ops = 0
-            for nd in inside:
-                if nd.shape != "block" or nd.op in X.LEAVES or nd.op in X.REDUCTIONS:
-                    continue
-                if nd.op == "prim":
-                    body = mathlib.PRIMS[nd.attr[0]].expand(*nd.args)
-                    ops += sum(1 for e in X.topological([body], lambda e: e in nd.args)
-                               if e not in nd.args and e.op not in X.LEAVES
-                               and e.op not in ("const", "iconst"))
-                else:
-                    ops += 1
-            most = max(most, ops)
+            most = max(most, expr_llvm.vector_ops(
+                nd for nd in inside if nd.shape == "block" and nd.op not in X.REDUCTIONS))
         return most
 
     def emit_pipelined(self, base, streaming, whole):

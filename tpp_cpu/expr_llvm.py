@@ -35,6 +35,24 @@ def render(outputs, b: ir.IRBuilder, w: int, leaf, memo: dict | None = None) -> 
     return [memo[o] for o in outputs]
 
 
+def vector_ops(nodes) -> int:
+    """The vector operations that rendering `nodes` (each on its own, leaves and constants
+    free) costs: one per node, a named transcendental counted by its expansion (exp: 16,
+    gelu: about 30). A generator's measure of how compute-bound a loop body is."""
+    ops = 0
+    for nd in nodes:
+        if nd.op in X.LEAVES or nd.op in ("const", "iconst"):
+            continue
+        if nd.op == "prim":
+            body = mathlib.PRIMS[nd.attr[0]].expand(*nd.args)
+            ops += sum(1 for e in X.topological([body], lambda e: e in nd.args)
+                       if e not in nd.args and e.op not in X.LEAVES
+                       and e.op not in ("const", "iconst"))
+        else:
+            ops += 1
+    return ops
+
+
 def _emit(nd, b, w, leaf, memo):
     op = nd.op
     if op == "const":

@@ -397,6 +397,26 @@ def with_streaming(b, outputs, body, force: bool = False):
             body(False)
 
 
+# A compute-bound map (a kernel without reductions doing this many vector operations per
+# vector or more, a transcendental counted by its expansion: gelu) keeps few loads in flight,
+# too few to cover memory's latency; on targets with eager_prefetch it prefetches its block
+# inputs at least MAP_AHEAD_BYTES (whole rows) ahead. See tpp_cpu.equation, Prefetch.
+MAP_PREFETCH_OPS = 8
+MAP_AHEAD_BYTES = 4096
+
+
+def map_rows_ahead(row_bytes: int) -> int:
+    """Rows of row_bytes each that a heavy map prefetches ahead (MAP_AHEAD_BYTES or more)."""
+    return -(-MAP_AHEAD_BYTES // row_bytes)
+
+
+def prefetch(b, base, offset, ty, locality: int = 3):
+    """Prefetch for reading the line holding base[offset] (elements of type ty); a prefetch
+    never faults, so the address may lie past the end of an array."""
+    call(b, "llvm.prefetch", element_ptr(b, base, offset, ty), ir.Constant(I32, 0),
+         ir.Constant(I32, locality), ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[PTR])
+
+
 def load_scalar(b, base, offset, ty, align: int | None = None):
     return b.load(element_ptr(b, base, offset, ty), typ=ty,
                   align=_ALIGN[str(ty)] if align is None else align)

@@ -45,3 +45,8 @@ def render(info, params, b: ir.IRBuilder, w: int, values: dict, flat_index=None,
 def uses_transcendentals(info, params) -> bool:
     """Whether the op's definition calls a transcendental (long vector code)."""
     return any(nd.op == "prim" for nd in X.topological(optable.definition(info, params).outputs))
+
+
+def vector_ops(info, params) -> int:
+    """The vector operations of the op's definition per vector (expr_llvm.vector_ops)."""
+    return expr_llvm.vector_ops(X.topological(optable.definition(info, params).outputs))

@@ -210,13 +210,6 @@ LARGE_BYTES = 32 << 20       # input + output bytes from which cache blocks are 
 BAD_PITCH = 512              # row pitches that are multiples of this thrash the plain loop
 
 
-def _prefetch(b, base, offset, ety):
-    """Prefetch (for reading, into all cache levels) the line holding base[offset]."""
-    ptr = irx.element_ptr(b, base, offset, ety)
-    irx.call(b, "llvm.prefetch", ptr, ir.Constant(I32, 0), ir.Constant(I32, 3),
-             ir.Constant(I32, 1), ret=ir.VoidType(), overloads=[irx.PTR])
-
-
 def _store_nt(b, value, base, offset):
     """A non-temporal store of a whole vector; the address must be aligned to its size."""
     ptr = irx.element_ptr(b, base, offset, value.type.element)
@@ -339,7 +332,7 @@ def _transpose(b, spec, mv, src, dst):
         j0 = b.add(jb, b.mul(jt, i64(w)))
         for r in range(w):
             off = b.add(b.mul(b.add(i0, i64(r)), i64(ldi)), b.add(j0, i64(bj)))
-            _prefetch(b, src, off, mv.ety)
+            irx.prefetch(b, src, off, mv.ety)
         cols = load_tile(i0, j0, w, w)
         boff = b.add(half(k), b.add(b.mul(jt, i64(w * bp)), b.mul(s_, i64(w))))
         for c in range(w):
