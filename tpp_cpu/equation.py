@@ -51,10 +51,11 @@ softmax backward 2.35 -> 1.96; one row ahead: 1.45 and 2.2), level on the heavy 
 There a kernel without reductions (one pass, a map) whose pass is heavy (irx.MAP_PREFETCH_OPS
 operations per vector or more: bias + gelu, + dropout) prefetches its block inputs whole rows
 ahead, at least irx.MAP_AHEAD_BYTES: its loop is compute-bound, and the few loads it keeps in
-flight do not cover memory's latency (the element-wise TPPs do the same, tpp_cpu.eltwise). 4096 x 1024 and 32768 x 128 f32, one thread, interleaved
-processes: bias + gelu 2.8-3.2 -> 1.42-1.56 ms from 64-byte boundaries (1.8-2.0 -> 1.45-1.58
-from numpy's 16), bias + gelu + dropout 3.0-3.1 -> 2.5-2.7; one row (512 bytes) ahead at 128
-columns 1.8 ms, 4 KiB 1.5. Light maps (add, dropout alone) measured level with it and do not.
+flight do not cover memory's latency (the element-wise TPPs do the same, tpp_cpu.eltwise).
+4096 x 1024 and 32768 x 128 f32, one thread, interleaved processes: bias + gelu 2.8-3.2 ->
+1.42-1.56 ms from 64-byte boundaries (1.8-2.0 -> 1.45-1.58 from numpy's 16), bias + gelu +
+dropout 3.0-3.1 -> 2.5-2.7; one row (512 bytes) ahead at 128 columns 1.8 ms, 4 KiB 1.5.
+Light maps (add, dropout alone) measured level with it and do not.
 
 Pipelined rows: a rowwise kernel with a heavy pass (PIPE_OPS vector operations per vector or
 more, a transcendental counted by its expansion: softmax's exp pass) runs its rows one at a

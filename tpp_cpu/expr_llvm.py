@@ -37,8 +37,8 @@ def render(outputs, b: ir.IRBuilder, w: int, leaf, memo: dict | None = None) -> 
 
 def vector_ops(nodes) -> int:
     """The vector operations that rendering `nodes` (each on its own, leaves and constants
-    free) costs: one per node, a named transcendental counted by its expansion (exp: 16,
-    gelu: about 30). A generator's measure of how compute-bound a loop body is."""
+    free) costs: one per node, a named transcendental counted by its expansion (exp's about
+    18, gelu's about 35). A generator's measure of how compute-bound a loop body is."""
     ops = 0
     for nd in nodes:
         if nd.op in X.LEAVES or nd.op in ("const", "iconst"):
